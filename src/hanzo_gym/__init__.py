@@ -1,0 +1,3 @@
+"""hanzo-gym: LoRA SFT and RL post-training for open causal LMs."""
+
+__version__ = "0.1.0"
