@@ -1,0 +1,23 @@
+"""The unit the data pipeline produces and the trainer consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Example:
+    """One tokenized training sequence. `labels[i]` is `input_ids[i]` where token i is trained, else IGNORE_INDEX
+    (unshifted: the trainer predicts token i from tokens before it)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(1 for label in self.labels if label != IGNORE_INDEX)
