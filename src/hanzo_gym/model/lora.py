@@ -1,0 +1,62 @@
+"""LoRA through peft: attach an adapter, save it as a plain PEFT directory, fold it into the base weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import PreTrainedModel
+
+from hanzo_gym.errors import ModelError
+
+
+def attach_lora(
+    model: PreTrainedModel,
+    r: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str] | str,
+    base_model_name: str,
+) -> PeftModel:
+    """Wrap `model` with a fresh adapter; `target_modules="all-linear"` adapts every linear layer but the output.
+
+    The adapter stays free of bias, DoRA and modules_to_save so that vLLM loads it as it is.
+    """
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as exc:
+        raise ModelError(f"cannot attach LoRA to {model.config.model_type}: {exc}") from None
+    peft_model.peft_config["default"].base_model_name_or_path = base_model_name
+    return peft_model
+
+
+def save_adapter(model: PeftModel, directory: str | Path) -> None:
+    model.save_pretrained(str(directory))
+
+
+def load_adapter_weights(model: PeftModel, directory: str | Path) -> None:
+    """Load saved adapter weights into an already-attached adapter (same rank and targets)."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(directory) / "adapter_model.safetensors"
+    if not path.is_file():
+        raise ModelError(f"{path} does not exist: not a PEFT adapter directory")
+    result = set_peft_model_state_dict(model, load_file(str(path), device=str(model.device)))
+    if result.unexpected_keys:
+        raise ModelError(f"{path}: adapter does not match this model (unexpected {result.unexpected_keys[:3]})")
+
+
+def merged_model(model: PeftModel) -> PreTrainedModel:
+    """The base model with the adapter folded in (W + alpha/r · B·A), as a plain transformers model."""
+    with torch.no_grad():
+        return model.merge_and_unload()

@@ -1,0 +1,144 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import VOCAB, tiny_model
+
+from hanzo_gym.engine import AdamParams, Datum, Engine
+from hanzo_gym.errors import GymError
+from hanzo_gym.model.lora import attach_lora
+from hanzo_gym.token_logprobs import token_logprobs
+
+
+def _lora(kind="llama", dropout=0.0):
+    model = tiny_model(kind)
+    peft_model = attach_lora(model, r=4, alpha=8, dropout=dropout, target_modules="all-linear", base_model_name="tiny")
+    # B starts at zero; give it values so the adapter changes the output in these tests.
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return peft_model
+
+
+def _datum(tokens, weights=None):
+    weights = weights if weights is not None else [1.0] * (len(tokens) - 1)
+    return Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights})
+
+
+def _reference_logprobs(model, tokens):
+    """One sequence through the plain transformers forward, full-vocabulary log_softmax."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+
+
+def test_token_logprobs_match_log_softmax_and_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    upstream = torch.randn(37, dtype=torch.float64)
+    upstream[::3] = 0  # positions the backward pass must skip
+
+    chunked = token_logprobs(hidden, weight, targets, chunk=8)
+    reference = (hidden @ weight.T).log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(chunked, reference.float(), rtol=1e-6, atol=1e-6)
+
+    g_hidden, g_weight = torch.autograd.grad((chunked.double() * upstream).sum(), (hidden, weight))
+    r_hidden, r_weight = torch.autograd.grad((reference * upstream).sum(), (hidden, weight))
+    torch.testing.assert_close(g_hidden, r_hidden, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_weight, r_weight, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_cross_entropy_equals_masked_plain_cross_entropy():
+    torch.manual_seed(1)
+    hidden = torch.randn(64, 16)
+    weight = torch.randn(VOCAB, 16)
+    targets = torch.randint(0, VOCAB, (64,))
+    labels = targets.clone()
+    labels[:20] = -100
+    weights = (labels != -100).float() / (labels != -100).sum()
+    ours = -(token_logprobs(hidden, weight, targets, chunk=7) * weights).sum()
+    plain = F.cross_entropy(hidden @ weight.T, labels, ignore_index=-100)
+    torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_packed_forward_equals_one_sequence_at_a_time(kind):
+    model = _lora(kind)
+    engine = Engine(model, logprob_chunk=5)
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 4, 17)]
+    packed = engine.forward([_datum(s) for s in sequences])
+    model.eval()
+    for tokens, got in zip(sequences, packed):
+        torch.testing.assert_close(got, _reference_logprobs(model, tokens), rtol=1e-4, atol=1e-5)
+
+
+def test_forward_backward_gradient_equals_separate_passes():
+    model = _lora()
+    engine = Engine(model)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (8, 12)]
+    weights = [[0.0] * 3 + [0.1] * (len(s) - 4) for s in seqs]
+
+    out = engine.forward_backward([_datum(s, w) for s, w in zip(seqs, weights)])
+    packed_grads = [p.grad.clone() for p in engine.trainable]
+    engine.optimizer.zero_grad()
+
+    total = 0.0
+    for s, w in zip(seqs, weights):
+        logits = model(input_ids=torch.tensor([s[:-1]])).logits[0].float()
+        lp = logits.log_softmax(-1).gather(1, torch.tensor(s[1:])[:, None]).squeeze(1)
+        loss = -(lp * torch.tensor(w)).sum()
+        loss.backward()
+        total += loss.item()
+    assert out.loss_sum == pytest.approx(total, rel=1e-5)
+    for got, want in zip(packed_grads, [p.grad for p in engine.trainable]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_only_lora_parameters_get_gradients_and_move():
+    model = _lora()
+    frozen_before = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
+    engine = Engine(model)
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    seq = list(range(3, 20))
+    first = engine.forward_backward([_datum(seq)]).loss_sum
+    engine.optim_step(AdamParams(learning_rate=1e-2))
+    for _ in range(5):
+        engine.forward_backward([_datum(seq)])
+        engine.optim_step(AdamParams(learning_rate=1e-2))
+    assert engine.forward_backward([_datum(seq)]).loss_sum < first
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen_before[n]), n
+
+
+def test_optim_step_matches_torch_adamw_with_clipping():
+    model = _lora()
+    reference = [p.detach().clone().requires_grad_() for p in Engine(model).trainable]
+    engine = Engine(model)
+    seq = list(range(5, 30))
+    engine.forward_backward([_datum(seq)])
+    for ref, p in zip(reference, engine.trainable):
+        ref.grad = p.grad.clone()
+    params = AdamParams(learning_rate=1e-3, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.01)
+    stats = engine.optim_step(params)
+
+    norm = torch.nn.utils.clip_grad_norm_(reference, 0.01)
+    torch.optim.AdamW(reference, lr=1e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1).step()
+    assert stats["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+    for ref, p in zip(reference, engine.trainable):
+        torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-5, atol=1e-7)
+        assert p.grad is None
+
+
+def test_bad_datums_are_named():
+    engine = Engine(_lora())
+    with pytest.raises(GymError, match="needs loss_fn_inputs\\[`weights`\\]"):
+        engine.forward_backward([Datum([1, 2], {"target_tokens": [2, 3]})])
+    with pytest.raises(GymError, match="unknown loss_fn"):
+        engine.forward_backward([_datum([1, 2, 3])], loss_fn="nope")
+    with pytest.raises(GymError, match="expected \\(2,\\)"):
+        engine.forward_backward([Datum([1, 2], {"target_tokens": [2, 3], "weights": [1.0]})])

@@ -1,0 +1,34 @@
+"""Tiny random causal LMs built from a config: fast stand-ins for real checkpoints in unit tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+VOCAB = 96
+
+
+def tiny_config(kind: str = "llama", **overrides):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    common.update(overrides)
+    if kind == "llama":
+        return LlamaConfig(**common)
+    if kind == "qwen3":
+        return Qwen3Config(head_dim=8, **common)
+    raise ValueError(kind)
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32)
