@@ -1,0 +1,62 @@
+"""What a resumable checkpoint holds: the adapter (a PEFT folder), the optimizer moments, the RNG state and
+where training stood (step, epoch, next accumulation window), plus a fingerprint of the data plan so that a
+resume with different data or batch settings fails instead of silently diverging."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hanzo_gym.engine import Engine
+from hanzo_gym.errors import GymError
+from hanzo_gym.model.lora import load_adapter_weights, save_adapter
+from hanzo_gym.rundir import TRAINER_STATE
+
+TRAINING_STATE = "training_state.pt"
+
+
+@dataclass
+class TrainerPosition:
+    step: int  # optimizer steps taken
+    epoch: int  # epoch of the next window
+    window: int  # index of the next accumulation window in that epoch
+    plan: dict  # fingerprint of the data plan
+
+
+def write_checkpoint(directory: Path, engine: Engine, position: TrainerPosition) -> None:
+    save_adapter(engine.model, directory)
+    torch.save(
+        {
+            "optimizer": engine.optimizer.state_dict(),
+            "cpu_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        },
+        directory / TRAINING_STATE,
+    )
+    # Written last: its presence is what marks the folder as a complete checkpoint.
+    (directory / TRAINER_STATE).write_text(json.dumps(asdict(position), indent=2) + "\n")
+
+
+def read_checkpoint(directory: Path, engine: Engine, plan: dict) -> TrainerPosition:
+    """Restore adapter, optimizer and RNG from `directory` into `engine`; return where training stood."""
+    state_file = directory / TRAINER_STATE
+    if not state_file.is_file():
+        raise GymError(f"{directory} is not a complete checkpoint (no {TRAINER_STATE}); pick another or start fresh")
+    position = TrainerPosition(**json.loads(state_file.read_text()))
+    changed = {k: (position.plan.get(k), v) for k, v in plan.items() if position.plan.get(k) != v}
+    if changed:
+        details = ", ".join(f"{k}: {old} → {new}" for k, (old, new) in changed.items())
+        raise GymError(
+            f"cannot resume from {directory}: the data plan changed ({details}); "
+            "resume with the same datasets and batch settings, or start a new output_dir"
+        )
+    load_adapter_weights(engine.model, directory)
+    saved = torch.load(directory / TRAINING_STATE, weights_only=False)
+    engine.optimizer.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["cpu_rng"])
+    if saved["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda_rng"])
+    return position

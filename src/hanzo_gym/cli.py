@@ -1,0 +1,72 @@
+"""The `gym` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hanzo_gym import __version__
+from hanzo_gym.errors import GymError
+
+
+def _train(args: argparse.Namespace) -> None:
+    from hanzo_gym.config import load_config
+    from hanzo_gym.train import run_training
+
+    run_training(load_config(args.config))
+
+
+def _preprocess(args: argparse.Namespace) -> None:
+    from hanzo_gym.config import load_config
+    from hanzo_gym.data.dataset import format_stats, load_examples
+    from hanzo_gym.model.hub import load_tokenizer
+
+    cfg = load_config(args.config)
+    data = load_examples(cfg, load_tokenizer(cfg.base_model, cfg.tokenizer_config))
+    print(format_stats(data.stats))
+
+
+def _merge(args: argparse.Namespace) -> None:
+    from hanzo_gym.config import load_config
+    from hanzo_gym.merge import merge_run
+
+    destination = merge_run(load_config(args.config), args.out, args.checkpoint)
+    print(f"wrote merged model to {destination}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gym", description="hanzo-gym: LoRA SFT and RL post-training.")
+    parser.add_argument("--version", action="version", version=f"hanzo-gym {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train a LoRA adapter from a YAML config")
+    train.add_argument("config")
+    train.set_defaults(handler=_train)
+
+    preprocess = commands.add_parser("preprocess", help="tokenize the datasets and print counts; no training")
+    preprocess.add_argument("config")
+    preprocess.set_defaults(handler=_preprocess)
+
+    merge = commands.add_parser("merge", help="fold the trained adapter into the base model")
+    merge.add_argument("config")
+    merge.add_argument("--out", help="destination folder (default: <output_dir>/merged)")
+    merge.add_argument("--checkpoint", help="merge checkpoint-N instead of the final adapter")
+    merge.set_defaults(handler=_merge)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except GymError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

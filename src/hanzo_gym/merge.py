@@ -1,0 +1,40 @@
+"""`gym merge`: fold a run's adapter into the base weights and write a plain transformers model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoConfig
+
+from hanzo_gym.config import Config
+from hanzo_gym.errors import GymError
+from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, resolve_model
+from hanzo_gym.model.lora import merged_model
+from hanzo_gym.rundir import publish_directory
+
+
+def adapter_directory(cfg: Config, checkpoint: str | None) -> Path:
+    directory = Path(cfg.output_dir) / checkpoint if checkpoint else Path(cfg.output_dir)
+    if not (directory / "adapter_config.json").is_file():
+        hint = "run `gym train` first" if checkpoint is None else "name one of the checkpoint-N folders"
+        raise GymError(f"{directory} holds no adapter (no adapter_config.json): {hint}")
+    return directory
+
+
+def merge_run(cfg: Config, out: str | None = None, checkpoint: str | None = None) -> Path:
+    adapter_dir = adapter_directory(cfg, checkpoint)
+    destination = Path(out) if out else Path(cfg.output_dir) / "merged"
+    # Keep the base checkpoint's own dtype so a bf16 model stays bf16 on disk.
+    dtype = getattr(AutoConfig.from_pretrained(resolve_model(cfg.base_model)), "dtype", None) or torch.float32
+    base = load_causal_lm(cfg.base_model, dtype if isinstance(dtype, torch.dtype) else torch.float32)
+    model = merged_model(PeftModel.from_pretrained(base, str(adapter_dir)))
+    tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config)
+
+    def write(directory: Path) -> None:
+        model.save_pretrained(str(directory))
+        tokenizer.save_pretrained(str(directory))
+
+    publish_directory(write, destination)
+    return destination

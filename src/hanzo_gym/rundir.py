@@ -1,0 +1,121 @@
+"""The run directory: config.json, metrics.jsonl, checkpoints.jsonl and checkpoint folders.
+
+Files are replaced atomically (write a temporary sibling, fsync, rename) and a checkpoint folder only gets its
+final name once everything in it is on disk, so a crash never leaves a checkpoint that resume would trust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from hanzo_gym.errors import GymError
+
+CHECKPOINT_PREFIX = "checkpoint-"
+TRAINER_STATE = "trainer_state.json"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def publish_directory(build: Callable[[Path], None], final: Path) -> None:
+    """Run `build(tmp)` on a temporary sibling folder, then move it to `final`, replacing what was there."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        build(tmp)
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def publish_files_into(build: Callable[[Path], None], directory: Path) -> None:
+    """Run `build(tmp)` on a temporary folder, then move each file it wrote into `directory` (one rename each)."""
+    staging = directory / f".staging-{os.getpid()}"
+    publish_directory(build, staging)
+    for item in staging.iterdir():
+        os.replace(item, directory / item.name)
+    staging.rmdir()
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise GymError(f"cannot create output_dir {self.path}: {exc.strerror}") from None
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.checkpoints_path = self.path / "checkpoints.jsonl"
+
+    def write_config(self, resolved: dict) -> None:
+        atomic_write_text(self.path / "config.json", json.dumps(resolved, indent=2) + "\n")
+
+    def log(self, row: dict) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+    def metrics(self) -> list[dict]:
+        return _read_jsonl(self.metrics_path)
+
+    def forget_after(self, step: int) -> None:
+        """On resume: drop metric and checkpoint records of steps the resumed run will redo."""
+        for path in (self.metrics_path, self.checkpoints_path):
+            if path.exists():
+                kept = [row for row in _read_jsonl(path) if row.get("step", 0) <= step]
+                atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
+
+    def save_checkpoint(self, step: int, epoch: float, build: Callable[[Path], None]) -> Path:
+        final = self.path / f"{CHECKPOINT_PREFIX}{step}"
+        publish_directory(build, final)
+        record = {"name": final.name, "step": step, "epoch": epoch, "path": str(final)}
+        with open(self.checkpoints_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint folder (temporary folders of an interrupted write never qualify)."""
+        complete = [
+            p
+            for p in self.path.glob(f"{CHECKPOINT_PREFIX}*")
+            if p.is_dir() and p.name.removeprefix(CHECKPOINT_PREFIX).isdigit() and (p / TRAINER_STATE).is_file()
+        ]
+        return max(complete, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)), default=None)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line from a crash mid-append: everything before it is good
+    return rows

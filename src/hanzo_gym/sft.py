@@ -1,0 +1,161 @@
+"""The supervised fine-tuning loop: a plain function over the engine's primitives.
+
+One optimizer step is one accumulation window of micro-batches. The loss is the mean next-token NLL over every
+trained token of the window: each datum's weights are 1/(trained tokens in the window), so the engine's summed
+loss needs no further division and gradient accumulation gives the same update as one big batch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hanzo_gym.checkpoint import TrainerPosition, read_checkpoint, write_checkpoint
+from hanzo_gym.config import Config
+from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum, trained_targets
+from hanzo_gym.data.example import Example
+from hanzo_gym.engine import AdamParams, Engine
+from hanzo_gym.rundir import RunDir
+from hanzo_gym.schedule import lr_at
+
+
+@dataclass
+class SftResult:
+    steps: int
+    last_eval_loss: float | None
+
+
+def _windows(cfg: Config, train: list[Example], epoch: int) -> list[list[list[int]]]:
+    lengths = [len(example) for example in train]
+    pack_to = cfg.sequence_len if cfg.sample_packing else None
+    batches = micro_batches(lengths, epoch_order(len(train), cfg.seed, epoch), cfg.micro_batch_size, pack_to)
+    accum = cfg.gradient_accumulation_steps
+    return [batches[i : i + accum] for i in range(0, len(batches), accum)]
+
+
+def _plan_fingerprint(cfg: Config, train: list[Example]) -> dict:
+    return {
+        "train_examples": len(train),
+        "train_tokens": sum(len(e) for e in train),
+        "seed": cfg.seed,
+        "micro_batch_size": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "sample_packing": cfg.sample_packing,
+        "sequence_len": cfg.sequence_len,
+    }
+
+
+def evaluate(engine: Engine, examples: list[Example], micro_batch_size: int) -> float:
+    """Mean next-token NLL over every trained token of `examples` (no update, dropout off)."""
+    nll, count = 0.0, 0
+    for start in range(0, len(examples), micro_batch_size):
+        batch = examples[start : start + micro_batch_size]
+        datums = [supervised_datum(e, 1.0) for e in batch]
+        for datum, logprobs in zip(datums, engine.forward(datums)):
+            weights = datum.loss_fn_inputs["weights"]
+            nll -= sum(lp for lp, w in zip(logprobs.tolist(), weights) if w)
+            count += sum(1 for w in weights if w)
+    return nll / max(count, 1)
+
+
+def train_sft(
+    engine: Engine,
+    cfg: Config,
+    train: list[Example],
+    val: list[Example],
+    run: RunDir,
+    resume_from: Path | None = None,
+) -> SftResult:
+    steps_per_epoch = len(_windows(cfg, train, 0))
+    total = cfg.num_epochs * steps_per_epoch
+    if cfg.max_steps is not None:
+        total = min(total, cfg.max_steps)
+    warmup = cfg.warmup(total)
+    plan = _plan_fingerprint(cfg, train)
+
+    position = TrainerPosition(step=0, epoch=0, window=0, plan=plan)
+    if resume_from is not None:
+        position = read_checkpoint(resume_from, engine, plan)
+        run.forget_after(position.step)
+        print(f"resumed from {resume_from} at step {position.step}", flush=True)
+
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=total, initial=position.step, disable=not interactive, unit="step", dynamic_ncols=True)
+    say = bar.write if interactive else (lambda text: print(text, flush=True))
+    started = time.perf_counter()
+    window_clock = started
+    logged_nll = logged_trained = logged_tokens = 0.0
+    last_eval: float | None = None
+    step = position.step
+
+    for epoch in range(position.epoch, cfg.num_epochs):
+        windows = _windows(cfg, train, epoch)
+        first = position.window if epoch == position.epoch else 0
+        for index in range(first, len(windows)):
+            if step >= total:
+                break
+            window = windows[index]
+            trained = sum(trained_targets(train[i]) for batch in window for i in batch)
+            for batch in window if trained else []:
+                datums = [supervised_datum(train[i], 1.0 / trained) for i in batch]
+                logged_nll += engine.forward_backward(datums, "cross_entropy").loss_sum * trained
+                logged_tokens += sum(len(train[i]) for i in batch)
+            logged_trained += trained
+            lr = lr_at(step, total, cfg.learning_rate, warmup, cfg.lr_scheduler)
+            stats = engine.optim_step(
+                AdamParams(
+                    learning_rate=lr,
+                    beta1=0.9,
+                    beta2=0.999,
+                    eps=1e-8,
+                    weight_decay=cfg.weight_decay,
+                    grad_clip_norm=cfg.max_grad_norm,
+                )
+            )
+            step += 1
+            bar.update(1)
+            epoch_progress = epoch + (index + 1) / len(windows)
+
+            if step % cfg.logging_steps == 0 or step == total:
+                now = time.perf_counter()
+                row = {
+                    "step": step,
+                    "epoch": round(epoch_progress, 4),
+                    "loss": logged_nll / max(logged_trained, 1),
+                    "lr": lr,
+                    "grad_norm": stats["grad_norm"],
+                    "tokens": int(logged_tokens),
+                    "trained_tokens": int(logged_trained),
+                    "tokens_per_s": logged_tokens / max(now - window_clock, 1e-9),
+                    "elapsed_s": now - started,
+                }
+                run.log(row)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}")
+                say(
+                    f"step {step}/{total} loss {row['loss']:.4f} lr {lr:.3e} grad_norm {row['grad_norm']:.3f} "
+                    f"tokens/s {row['tokens_per_s']:.0f}"
+                )
+                window_clock = now
+                logged_nll = logged_trained = logged_tokens = 0.0
+
+            end_of_epoch = index == len(windows) - 1
+            if val and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == total):
+                last_eval = evaluate(engine, val, cfg.micro_batch_size)
+                run.log({"step": step, "epoch": round(epoch_progress, 4), "eval/loss": last_eval,
+                         "elapsed_s": time.perf_counter() - started})
+                say(f"eval step {step} epoch {epoch_progress:.2f} eval/loss {last_eval:.4f}")
+
+            if cfg.save_steps and step % cfg.save_steps == 0:
+                next_position = (epoch, index + 1) if not end_of_epoch else (epoch + 1, 0)
+                mark = TrainerPosition(step=step, epoch=next_position[0], window=next_position[1], plan=plan)
+                path = run.save_checkpoint(step, epoch_progress, lambda d: write_checkpoint(d, engine, mark))
+                say(f"saved {path}")
+        if step >= total:
+            break
+    bar.close()
+    return SftResult(steps=step, last_eval_loss=last_eval)
+

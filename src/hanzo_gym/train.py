@@ -1,0 +1,75 @@
+"""`gym train`: config → tokenizer, data, model + adapter, engine → the SFT loop → the run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hanzo_gym.config import Config
+from hanzo_gym.data.dataset import load_examples
+from hanzo_gym.engine import Engine
+from hanzo_gym.errors import GymError
+from hanzo_gym.model.hub import load_causal_lm, load_tokenizer
+from hanzo_gym.model.lora import attach_lora, save_adapter
+from hanzo_gym.rundir import RunDir, publish_files_into
+from hanzo_gym.sft import SftResult, train_sft
+
+
+def pick_device_and_dtype(bf16: str | bool) -> tuple[torch.device, torch.dtype]:
+    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    use_bf16 = device.type == "cuda" if bf16 == "auto" else bool(bf16)
+    return device, torch.bfloat16 if use_bf16 else torch.float32
+
+
+def build_engine(cfg: Config, device: torch.device, dtype: torch.dtype) -> Engine:
+    model = load_causal_lm(cfg.base_model, dtype).to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
+    targets = "all-linear" if cfg.lora_target_linear else cfg.lora_target_modules
+    peft_model = attach_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, cfg.base_model)
+    return Engine(peft_model)
+
+
+def resume_point(cfg: Config, run: RunDir) -> Path | None:
+    wanted = cfg.resume_from_checkpoint
+    if wanted in (None, False):
+        return None
+    if wanted is True:
+        latest = run.latest_checkpoint()
+        if latest is None:
+            print(f"resume_from_checkpoint: true, but {run.path} has no complete checkpoint yet: starting fresh")
+        return latest
+    path = Path(wanted)
+    if not path.is_dir():
+        raise GymError(f"resume_from_checkpoint: {path} is not a directory")
+    return path
+
+
+def run_training(cfg: Config) -> SftResult:
+    device, dtype = pick_device_and_dtype(cfg.bf16)
+    tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config)
+    data = load_examples(cfg, tokenizer)
+    if not data.train:
+        raise GymError("no training examples left after tokenization: see `gym preprocess` for the counts")
+    engine = build_engine(cfg, device, dtype)
+    run = RunDir(cfg.output_dir)
+    run.write_config(cfg.model_dump(mode="json"))
+    print(
+        f"train {len(data.train)} examples, val {len(data.val)}, trainable parameters "
+        f"{engine.trainable_parameter_count:,}, device {device.type}, dtype {str(dtype).removeprefix('torch.')}",
+        flush=True,
+    )
+    torch.manual_seed(cfg.seed)
+    result = train_sft(engine, cfg, data.train, data.val, run, resume_from=resume_point(cfg, run))
+
+    def final(directory: Path) -> None:
+        save_adapter(engine.model, directory)
+        tokenizer.save_pretrained(str(directory))
+
+    # The final adapter sits at the run directory's top level, next to the run files, as Axolotl puts it.
+    publish_files_into(final, run.path)
+    print(f"wrote adapter to {run.path}", flush=True)
+    return result
