@@ -238,10 +238,13 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
         raise ConfigError(f"{source}: expected a mapping of config keys at the top level")
     _reject_not_yet(data, source, lines)
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data)
     except ValidationError as exc:
         errors = sorted(exc.errors(), key=lambda e: _line_of(lines, e["loc"]) or 0)
         raise ConfigError("\n".join(_describe(error, source, lines) for error in errors)) from None
+    if cfg.rl == "grpo":
+        raise ConfigError(f"{source}:{_line_of(lines, ('rl',))}: rl: grpo is not available in this version yet (SFT only)")
+    return cfg
 
 
 def load_config(path: str | Path) -> Config:

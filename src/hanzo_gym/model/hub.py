@@ -5,8 +5,6 @@ A .gguf file is de-quantised once into a plain float32 Hugging Face directory un
 load can use the normal `from_pretrained` path.
 """
 
-from __future__ import annotations
-
 import hashlib
 import importlib.util
 import json
@@ -84,14 +82,15 @@ def real_model_gguf() -> Path:
 
 
 def resolve_model(base_model: str) -> Path:
-    """Return a local Hugging Face model directory (config.json + safetensors + tokenizer files) for base_model."""
+    """Return a local Hugging Face model directory (config.json + safetensors + tokenizer files)
+    for base_model: the directory itself, the de-quantised cache entry of a .gguf file, or a hub snapshot."""
     return _resolve(base_model, required_files=("config.json",), hub_patterns=MODEL_PATTERNS)
 
 
 def load_tokenizer(
     base_model: str, tokenizer_config: str | None = None
 ) -> transformers.PreTrainedTokenizerBase:
-    """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from the base model."""
+    """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from base_model."""
     if tokenizer_config is None:
         source, name = resolve_model(base_model), base_model
     else:
@@ -160,7 +159,7 @@ def _resolve(name: str, required_files: tuple[str, ...], hub_patterns: list[str]
         return path.resolve()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ModelError(f"`{name}` is a file but not a .gguf file: use a .gguf file or a model directory")
+            raise ModelError(f"`{name}` is a file but not a .gguf file: use a .gguf or a model directory")
         return _gguf_as_hf_dir(path.resolve())
     if name.startswith(("/", "./", "../", "~")) or name.lower().endswith(".gguf"):
         raise ModelError(f"`{name}`: no such file or directory; check the path")
@@ -170,7 +169,8 @@ def _resolve(name: str, required_files: tuple[str, ...], hub_patterns: list[str]
 def _hub_snapshot(repo_id: str, patterns: list[str]) -> Path:
     # Cache first, so a repo downloaded once keeps working offline without touching the network.
     try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        snapshot = huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
+        return Path(snapshot)
     except HFValidationError as error:
         raise ModelError(
             f"`{repo_id}` is not an existing local path nor a valid hub repo id (owner/name): {error}"
@@ -187,8 +187,8 @@ def _hub_snapshot(repo_id: str, patterns: list[str]) -> Path:
         ) from error
     except RepositoryNotFoundError as error:  # also GatedRepoError
         raise ModelError(
-            f"hub repo `{repo_id}` was not found or is gated/private: check the id, accept its licence on the "
-            "hub and log in (`hf auth login`), or point base_model at a local directory"
+            f"hub repo `{repo_id}` was not found or is gated/private: check the id, accept its licence on "
+            "the hub and log in (`hf auth login`), or point base_model at a local directory"
         ) from error
     except RevisionNotFoundError as error:
         raise ModelError(f"hub repo `{repo_id}` has no `main` revision: {error}") from error

@@ -1,0 +1,362 @@
+"""Read dataset rows from a local file, a local directory or a Hugging Face Hub dataset repo.
+
+Every row keeps the file and line it came from, so later validation errors can point at it.
+A split is `name` or `name[lo:hi]`, where each bound is empty, a row index or a percent (`10%`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import httpx2
+import pyarrow as pa
+import pyarrow.parquet as pq
+from huggingface_hub import (
+    constants,
+    get_cached_repo_tree,
+    hf_hub_download,
+    list_repo_files,
+    snapshot_download,
+)
+from huggingface_hub.errors import (
+    CachedRepoTreeNotFoundError,
+    HFValidationError,
+    HfHubHTTPError,
+    IncompleteSnapshotError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+)
+
+from hanzo_gym.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
+SPLIT_WORDS = ("train", "test", "validation", "valid", "dev")
+# HfHubHTTPError subclasses httpx2.HTTPError, so this covers hub error answers and lost connections alike.
+HUB_UNAVAILABLE = (OfflineModeIsEnabled, httpx2.HTTPError, LocalEntryNotFoundError)
+
+_SPLIT_RE = re.compile(r"(?P<name>[^\[\]:\s]+)(?:\[(?P<lo>[^\[\]:]*):(?P<hi>[^\[\]:]*)\])?")
+_INDEX_RE = re.compile(r"[0-9]+")
+_PERCENT_RE = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)%")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One JSON object, the file it came from and its 1-based line (jsonl) or row number (json, parquet)."""
+
+    data: dict
+    file: str
+    line: int
+
+
+@dataclass(frozen=True)
+class Split:
+    """A split name plus a slice; each bound is None (open), an int row index or a float percent."""
+
+    name: str
+    lo: int | float | None = None
+    hi: int | float | None = None
+
+    @staticmethod
+    def parse(spec: str) -> Split:
+        match = _SPLIT_RE.fullmatch(spec.strip())
+        if match is None:
+            raise DataError(
+                f"bad split `{spec}`: expected name or name[lo:hi], e.g. train, train[:1000] or "
+                "train[10%:90%] (steps and negative indices are not supported)"
+            )
+        return Split(match["name"], _parse_bound(spec, match["lo"]), _parse_bound(spec, match["hi"]))
+
+    def bounds(self, n: int) -> tuple[int, int]:
+        """The half-open row range this slice selects from n rows; a slice with hi < lo is empty."""
+        lo = _resolve_bound(self.lo, n, default=0)
+        hi = _resolve_bound(self.hi, n, default=n)
+        return lo, max(lo, hi)
+
+
+def _parse_bound(spec: str, text: str | None) -> int | float | None:
+    text = (text or "").strip()
+    if not text:
+        return None
+    if _INDEX_RE.fullmatch(text):
+        return int(text)
+    if _PERCENT_RE.fullmatch(text):
+        return float(text[:-1])
+    if text.endswith("%"):
+        raise DataError(
+            f"bad split `{spec}`: `{text}` is not a percent; use a non-negative number like 10% or 12.5%"
+        )
+    raise DataError(
+        f"bad split `{spec}`: `{text}` is not a row index; use a non-negative integer like 100 or a percent "
+        "like 10% (negative indices are not supported)"
+    )
+
+
+def _resolve_bound(bound: int | float | None, n: int, default: int) -> int:
+    if bound is None:
+        return default
+    if isinstance(bound, float):
+        # Exact decimal arithmetic: with floats, 2.3% of 50000 rows floors to 1149 instead of 1150.
+        bound = math.floor(Fraction(repr(bound)) * n / 100)
+    return max(0, min(bound, n))
+
+
+def read_rows(path: str, split: str | None = None, data_files: list[str] | None = None) -> list[Row]:
+    """Rows of `path` (a file, a directory or a hub dataset id) for `split` (default train), in file order."""
+    spec = Split.parse("train" if split is None else split)
+    files = _source_files(path, spec.name, data_files)
+    rows = [row for label, local in files for row in _read_file(local, label)]
+    lo, hi = spec.bounds(len(rows))
+    return rows[lo:hi]
+
+
+def _source_files(path: str, split_name: str, data_files: list[str] | None) -> list[tuple[str, Path]]:
+    """(name used in rows and messages, local path) of each file to read, in reading order."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        if data_files:
+            raise DataError(
+                f"data_files is set but `{path}` is a single file: remove data_files, or set the path to the "
+                "directory that holds those files"
+            )
+        return [(path, local)]
+    if local.is_dir():
+        return _directory_files(local, split_name, data_files)
+    return _hub_files(path, split_name, data_files)
+
+
+def _directory_files(
+    directory: Path, split_name: str, data_files: list[str] | None
+) -> list[tuple[str, Path]]:
+    if data_files:
+        for name in data_files:
+            if not (directory / name).is_file():
+                raise DataError(
+                    f"data_files entry `{name}` not found: {directory / name} is not a file; "
+                    "fix the name or remove it from data_files"
+                )
+        names = list(data_files)
+    else:
+        found = sorted(
+            entry.name for entry in directory.iterdir() if entry.is_file() and _is_data_file(entry.name)
+        )
+        names = _files_for_split(found, split_name, str(directory))
+    return [(str(directory / name), directory / name) for name in names]
+
+
+def _is_data_file(name: str) -> bool:
+    return name.lower().endswith(DATA_EXTENSIONS)
+
+
+def _files_for_split(names: list[str], split_name: str, where: str) -> list[str]:
+    """Files whose path mentions the split; failing that, files that mention no split at all."""
+
+    def mentions(name: str, word: str) -> bool:
+        # Case-insensitive: otherwise Train.jsonl and Test.jsonl would both count as "no split named" and
+        # the test rows would be trained on.
+        return any(word.lower() in part.lower() for part in name.split("/"))
+
+    chosen = [name for name in names if mentions(name, split_name)]
+    if not chosen:
+        chosen = [name for name in names if not any(mentions(name, word) for word in SPLIT_WORDS)]
+    if not chosen:
+        raise DataError(
+            f"no data files for split `{split_name}` in {where}: files seen: {_name_list(names)}. "
+            f"Use a split name that appears in a file name, or list the files in data_files"
+        )
+    return chosen
+
+
+def _name_list(names: list[str], limit: int = 20) -> str:
+    if not names:
+        return "none with extension .jsonl, .json or .parquet"
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"
+
+
+def _hub_files(repo_id: str, split_name: str, data_files: list[str] | None) -> list[tuple[str, Path]]:
+    try:
+        listing = list_repo_files(repo_id, repo_type="dataset")
+    except HFValidationError:
+        problem = "it is not a valid hub dataset id either (expected `owner/name`)"
+        raise DataError(_not_found(repo_id, problem)) from None
+    except HUB_UNAVAILABLE as error:
+        return _cached_hub_files(repo_id, split_name, data_files, error)
+    names = _hub_selection(listing, split_name, data_files, f"hub dataset `{repo_id}`")
+    files = []
+    for name in names:
+        try:
+            files.append((f"{repo_id}/{name}", Path(hf_hub_download(repo_id, name, repo_type="dataset"))))
+        except HUB_UNAVAILABLE as error:
+            raise DataError(
+                f"could not download {name} of hub dataset `{repo_id}` ({_first_line(error)}); "
+                "check the network connection and run again"
+            ) from error
+    return files
+
+
+def _hub_selection(
+    listing: list[str], split_name: str, data_files: list[str] | None, where: str
+) -> list[str]:
+    if not data_files:
+        return _files_for_split(sorted(name for name in listing if _is_data_file(name)), split_name, where)
+    for name in data_files:
+        if name not in listing:
+            raise DataError(
+                f"data_files entry `{name}` not found in {where}; files there: {_name_list(sorted(listing))}"
+            )
+    return list(data_files)
+
+
+def _cached_hub_files(
+    repo_id: str, split_name: str, data_files: list[str] | None, hub_error: Exception
+) -> list[tuple[str, Path]]:
+    try:
+        snapshot = Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
+    except IncompleteSnapshotError as error:  # other files of the repo are missing; this split's may not be
+        snapshot = Path(error.snapshot_path)
+    except LocalEntryNotFoundError:
+        raise DataError(_not_found(repo_id, _hub_problem(hub_error))) from None
+    if not isinstance(hub_error, OfflineModeIsEnabled):
+        logger.warning(
+            "hub dataset `%s`: %s; using the cached copy in %s", repo_id, _first_line(hub_error), snapshot
+        )
+    try:
+        # The cached tree lists the whole revision, so a shard that never finished downloading is noticed.
+        listing = [entry.path for entry in get_cached_repo_tree(repo_id, repo_type="dataset")]
+    except CachedRepoTreeNotFoundError:
+        listing = [file.relative_to(snapshot).as_posix() for file in snapshot.rglob("*") if file.is_file()]
+    where = f"the cached copy of hub dataset `{repo_id}` ({snapshot})"
+    names = _hub_selection(listing, split_name, data_files, where)
+    missing = [name for name in names if not (snapshot / name).is_file()]
+    if missing:
+        raise DataError(
+            f"{where} is incomplete: {_name_list(missing)} not downloaded, and the hub is unavailable "
+            f"({_first_line(hub_error)}); run once with network access (HF_HUB_OFFLINE unset) "
+            "to download them"
+        )
+    return [(f"{repo_id}/{name}", snapshot / name) for name in names]
+
+
+def _not_found(path: str, problem: str) -> str:
+    return (
+        f"`{path}` is neither a local file/directory nor a reachable or cached Hugging Face Hub dataset: "
+        f"{problem}"
+    )
+
+
+def _hub_problem(error: Exception) -> str:
+    """Why the hub could not be used, and what to do about it."""
+    if isinstance(error, OfflineModeIsEnabled):
+        return (
+            f"HF_HUB_OFFLINE=1 is set and the hub cache ({constants.HF_HUB_CACHE}) does not have it. "
+            "Fix the path, or unset HF_HUB_OFFLINE and run once with network access to download it"
+        )
+    if isinstance(error, RepositoryNotFoundError):
+        return (
+            "the hub has no dataset repo by that name. Fix the path; if the repo is private or gated, "
+            "log in with `hf auth login`"
+        )
+    if isinstance(error, HfHubHTTPError):
+        return f"the hub answered with an error ({_first_line(error)}). Fix the path, or try again later"
+    return (
+        f"the hub could not be reached ({type(error).__name__}: {_first_line(error)}) and the hub cache "
+        f"({constants.HF_HUB_CACHE}) does not have it. Fix the path, or check the network connection"
+    )
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _read_file(local: Path, label: str) -> list[Row]:
+    reader = _READERS.get(local.suffix.lower())
+    if reader is None:
+        raise DataError(
+            f"{label}: unsupported file type `{local.suffix or '(no extension)'}`; "
+            "use .jsonl (one JSON object per line), .json (an array of objects) or .parquet"
+        )
+    try:
+        return reader(local, label)
+    except OSError as error:
+        raise DataError(f"cannot read {label}: {error.strerror or error}") from error
+
+
+def _read_jsonl(local: Path, label: str) -> list[Row]:
+    rows = []
+    with local.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            if not raw.strip():
+                continue
+            try:
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise DataError(f"{label} line {number}: not UTF-8 text; save the file as UTF-8") from None
+            except json.JSONDecodeError as error:
+                raise DataError(
+                    f"{label} line {number}: invalid JSON ({error.msg} at column {error.colno}); "
+                    "each line must hold one complete JSON object"
+                ) from None
+            if not isinstance(data, dict):
+                raise DataError(
+                    f"{label} line {number}: expected a JSON object, found a JSON {_json_kind(data)}"
+                )
+            rows.append(Row(data, label, number))
+    return rows
+
+
+def _read_json_array(local: Path, label: str) -> list[Row]:
+    try:
+        data = json.loads(local.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError:
+        raise DataError(f"{label}: not UTF-8 text; save the file as UTF-8") from None
+    except json.JSONDecodeError as error:
+        hint = "; if it holds one object per line, rename it to .jsonl" if error.msg == "Extra data" else ""
+        raise DataError(
+            f"{label} line {error.lineno} column {error.colno}: invalid JSON ({error.msg}){hint}"
+        ) from None
+    if not isinstance(data, list):
+        raise DataError(
+            f"{label}: expected a JSON array of objects, found a JSON {_json_kind(data)}; "
+            "wrap the rows in [ ... ] or write them one per line to a .jsonl file"
+        )
+    for index, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise DataError(
+                f"{label} row {index + 1}: expected a JSON object, found a JSON {_json_kind(item)}"
+            )
+    return [Row(item, label, index + 1) for index, item in enumerate(data)]
+
+
+def _read_parquet(local: Path, label: str) -> list[Row]:
+    try:
+        records = pq.read_table(local).to_pylist()
+    except pa.ArrowException as error:
+        raise DataError(
+            f"cannot read {label} as Parquet ({error}); check that it is a valid Parquet file"
+        ) from error
+    return [Row(record, label, index + 1) for index, record in enumerate(records)]
+
+
+def _json_kind(value: object) -> str:
+    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
+_READERS: dict[str, Callable[[Path, str], list[Row]]] = {
+    ".jsonl": _read_jsonl,
+    ".json": _read_json_array,
+    ".parquet": _read_parquet,
+}

@@ -1,0 +1,150 @@
+import pytest
+
+from hanzo_gym.config import load_config, parse_config
+from hanzo_gym.errors import ConfigError
+from hanzo_gym.yaml_source import load_yaml
+
+BASE = """\
+base_model: Qwen/Qwen3-0.6B
+output_dir: out
+adapter: lora
+lora_target_linear: true
+datasets:
+  - path: data.jsonl
+    type: chat_template
+"""
+
+
+def _load(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return load_config(path)
+
+
+def _error(tmp_path, text) -> str:
+    with pytest.raises(ConfigError) as caught:
+        _load(tmp_path, text)
+    return str(caught.value)
+
+
+def test_defaults_match_the_original(tmp_path):
+    cfg = _load(tmp_path, BASE)
+    assert (cfg.sequence_len, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == (2048, 8, 16.0, 0.0)
+    assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.num_epochs) == (1, 1, 1)
+    assert (cfg.learning_rate, cfg.lr_scheduler, cfg.weight_decay, cfg.max_grad_norm) == (2e-4, "cosine", 0.0, 1.0)
+    assert (cfg.logging_steps, cfg.seed, cfg.bf16, cfg.val_set_size) == (10, 42, "auto", 0.0)
+    ds = cfg.datasets[0]
+    assert (ds.field_messages, ds.roles_to_train, ds.train_on_eos, ds.field) == ("messages", ["assistant"], "turn", "text")
+    assert (ds.mappings.role, ds.mappings.content) == ("role", "content")
+    trl = cfg.trl
+    assert (trl.num_generations, trl.max_completion_length, trl.beta, trl.temperature, trl.scale_rewards) == (
+        4, 256, 0.0, 1.0, True)
+    assert cfg.lora_targets() == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_axolotl_finetome_config_parses(tmp_path):
+    cfg = _load(tmp_path, """\
+base_model: Qwen/Qwen3-0.6B
+chat_template: qwen3
+datasets:
+  - path: mlabonne/FineTome-100k
+    type: chat_template
+    field_messages: conversations
+    message_property_mappings:
+      role: from
+      content: value
+output_dir: ./outputs/qwen3-lora
+sequence_len: 2048
+adapter: lora
+lora_r: 16
+lora_alpha: 32
+lora_target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj]
+micro_batch_size: 1
+gradient_accumulation_steps: 8
+learning_rate: 2e-4
+warmup_ratio: 0.03
+gradient_checkpointing: true
+sample_packing: true
+""")
+    assert cfg.learning_rate == 2e-4 and isinstance(cfg.learning_rate, float)
+    assert cfg.lora_alpha / cfg.lora_r == 2.0 and len(cfg.lora_targets()) == 6
+    assert cfg.warmup(100) == 3 and cfg.datasets[0].mappings.role == "from"
+    assert cfg.gradient_checkpointing and cfg.sample_packing
+
+
+@pytest.mark.parametrize("text", ["2e-4", "1.0e-4", "-3E+2", ".5", "1_000.0"])
+def test_yaml_numbers_follow_yaml_1_2(text):
+    data, _ = load_yaml(f"x: {text}", "t")
+    if "_" in text:
+        assert data["x"] == text  # YAML 1.2 has no underscores in numbers: stays a string
+    else:
+        assert data["x"] == float(text)
+
+
+def test_unknown_key_names_line_and_nearest_key(tmp_path):
+    message = _error(tmp_path, BASE + "lora_alpah: 32\n")
+    assert "run.yaml:8" in message and "`lora_alpah`" in message and "did you mean `lora_alpha`?" in message
+
+
+def test_unknown_nested_key_names_its_path(tmp_path):
+    message = _error(tmp_path, BASE + "    field_mesages: conversations\n")
+    assert "run.yaml:8" in message and "datasets[0].field_mesages" in message and "`field_messages`" in message
+    message = _error(tmp_path, BASE + "trl:\n  num_generation: 8\n")
+    assert "run.yaml:9" in message and "trl.num_generation" in message and "`num_generations`" in message
+
+
+def test_bad_enum_value_lists_what_is_allowed(tmp_path):
+    message = _error(tmp_path, BASE + "lr_scheduler: cosin\n")
+    assert "run.yaml:8" in message and "'cosine', 'linear' or 'constant'" in message and "`cosine`" in message
+    message = _error(tmp_path, BASE.replace("type: chat_template", "type: sharegpt"))
+    assert "run.yaml:7" in message and "datasets[0].type" in message and "'alpaca'" in message
+
+
+def test_wrong_type_and_range_name_key_and_line(tmp_path):
+    message = _error(tmp_path, BASE + "micro_batch_size: 0\nlora_r: many\n")
+    assert "run.yaml:8: `micro_batch_size` = 0" in message and "greater than or equal to 1" in message
+    assert "run.yaml:9: `lora_r` = 'many'" in message
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    message = _error(tmp_path, BASE + "lora_r: 8\nlora_r: 16\n")
+    assert "run.yaml:9" in message and "appears twice" in message and "line 8" in message
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("load_in_4bit: true\n", "QLoRA / 4-bit loading is not supported yet"),
+        ("load_in_8bit: true\n", "8-bit loading is not supported yet"),
+        ("rl: dpo\n", "DPO family) is not supported yet"),
+    ],
+)
+def test_features_we_do_not_have_fail_at_load_with_a_sentence(tmp_path, extra, expected):
+    assert expected in _error(tmp_path, BASE + extra)
+
+
+def test_qlora_and_full_finetune_fail_at_load(tmp_path):
+    assert "QLoRA (adapter: qlora) is not supported yet" in _error(tmp_path, BASE.replace("adapter: lora", "adapter: qlora"))
+    assert "full fine-tuning" in _error(tmp_path, BASE.replace("adapter: lora\n", ""))
+
+
+def test_cross_key_rules(tmp_path):
+    assert "lora_target_modules" in _error(tmp_path, BASE.replace("lora_target_linear: true\n", ""))
+    assert "at least 1 item" in _error(tmp_path, BASE.split("datasets:")[0] + "datasets: []\n")
+    assert "needs `trl.reward_funcs`" in _error(tmp_path, BASE + "rl: grpo\n")
+    message = _error(tmp_path, BASE + "rl: grpo\ntrl:\n  reward_funcs: [exact_match]\n  reward_weights: [1, 2]\n")
+    assert "give one weight per function" in message
+    assert "greater than or equal to 2" in _error(tmp_path, BASE + "trl:\n  num_generations: 1\n")
+
+
+def test_bad_split_fails_at_load(tmp_path):
+    message = _error(tmp_path, BASE + "    split: train[1]\n")
+    assert "run.yaml:8" in message and "datasets[0].split" in message
+
+
+def test_not_yaml_and_missing_file(tmp_path):
+    assert "run.yaml:2" in _error(tmp_path, "a: 1\n  b: [\n")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="mapping"):
+        parse_config(["a"])

@@ -1,0 +1,76 @@
+import json
+
+import pytest
+
+from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
+from hanzo_gym.data.example import IGNORE_INDEX, Example
+from hanzo_gym.rundir import RunDir, publish_directory
+from hanzo_gym.schedule import lr_at
+
+
+def test_warmup_then_cosine():
+    lrs = {s: lr_at(s, 110, 1.0, 10, "cosine") for s in (0, 9, 10, 60, 110)}
+    assert lrs == pytest.approx({0: 0.1, 9: 1.0, 10: 1.0, 60: 0.5, 110: 0.0}, abs=1e-12)
+
+
+def test_linear_and_constant():
+    assert lr_at(5, 10, 2.0, 0, "linear") == pytest.approx(1.0)
+    assert lr_at(10, 10, 2.0, 0, "linear") == pytest.approx(0.0)
+    assert lr_at(7, 10, 2.0, 3, "constant") == 2.0
+    assert lr_at(0, 10, 2.0, 4, "constant") == pytest.approx(0.5)
+
+
+def test_epoch_order_is_a_seeded_permutation():
+    assert sorted(epoch_order(20, 42, 0)) == list(range(20))
+    assert epoch_order(20, 42, 0) == epoch_order(20, 42, 0)
+    assert epoch_order(20, 42, 0) != epoch_order(20, 42, 1)
+
+
+def test_micro_batches_without_and_with_packing():
+    lengths = [5, 5, 5, 9, 2, 7]
+    order = [0, 1, 2, 3, 4, 5]
+    assert micro_batches(lengths, order, 4) == [[0, 1, 2, 3], [4, 5]]
+    # rows of at most 10 tokens: [0,1] [2] [3] [4,5]; two rows per micro-batch
+    assert micro_batches(lengths, order, 2, pack_to=10) == [[0, 1, 2], [3, 4, 5]]
+    # an example longer than the pack length still gets a row of its own
+    assert micro_batches([12, 3], [0, 1], 1, pack_to=10) == [[0], [1]]
+
+
+def test_supervised_datum_shifts_labels():
+    example = Example([10, 11, 12, 13], [IGNORE_INDEX, IGNORE_INDEX, 12, 13])
+    datum = supervised_datum(example, 0.5)
+    assert datum.model_input == [10, 11, 12]
+    assert datum.loss_fn_inputs == {"target_tokens": [11, 12, 13], "weights": [0.0, 0.5, 0.5]}
+
+
+def test_publish_directory_is_all_or_nothing(tmp_path):
+    final = tmp_path / "checkpoint-1"
+
+    def crash(directory):
+        (directory / "half").write_text("x")
+        raise RuntimeError("disk died")
+
+    with pytest.raises(RuntimeError):
+        publish_directory(crash, final)
+    assert list(tmp_path.iterdir()) == []
+
+    publish_directory(lambda d: (d / "a").write_text("1"), final)
+    publish_directory(lambda d: (d / "b").write_text("2"), final)
+    assert sorted(p.name for p in final.iterdir()) == ["b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+
+
+def test_run_dir_records_and_forgets(tmp_path):
+    run = RunDir(tmp_path / "run")
+    for step in (1, 2, 3):
+        run.log({"step": step, "loss": 1.0 / step})
+    run.save_checkpoint(2, 0.5, lambda d: (d / "trainer_state.json").write_text("{}"))
+    (run.path / "checkpoint-9").mkdir()  # no trainer_state.json: incomplete, never trusted
+    assert run.latest_checkpoint() == run.path / "checkpoint-2"
+    records = [json.loads(x) for x in run.checkpoints_path.read_text().splitlines()]
+    assert records == [{"name": "checkpoint-2", "step": 2, "epoch": 0.5, "path": str(run.path / "checkpoint-2")}]
+    run.forget_after(2)
+    assert [row["step"] for row in run.metrics()] == [1, 2]
+    with open(run.metrics_path, "a") as handle:
+        handle.write('{"step": 3, "lo')  # torn line from a crash
+    assert [row["step"] for row in run.metrics()] == [1, 2]
