@@ -1,0 +1,108 @@
+"""From config to training data: every dataset's rows tokenized by its strategy, fitted to `sequence_len`,
+combined, shuffled with the run's seed and split into train and validation examples."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from hanzo_gym.config import Config, DatasetConfig
+from hanzo_gym.data.chat_templates import resolve_chat_template
+from hanzo_gym.data.example import Example
+from hanzo_gym.data.sources import Row, read_rows
+from hanzo_gym.data.strategies import StrategyContext, row_to_example
+
+
+@dataclass
+class DatasetStats:
+    """What tokenizing one dataset (or all of them: path `total`) gave; counts are of kept examples except
+    `truncated` (kept, cut to sequence_len) and `dropped` (too short or nothing to train)."""
+
+    path: str
+    examples: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    truncated: int = 0
+    dropped: int = 0
+
+
+@dataclass
+class LoadedData:
+    train: list[Example]
+    val: list[Example]
+    stats: list[DatasetStats]  # one per dataset, in config order, then the total
+
+
+def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData:
+    needs_template = any(ds.type == "chat_template" for ds in cfg.datasets)
+    ctx = StrategyContext(
+        tokenizer=tokenizer,
+        train_on_inputs=cfg.train_on_inputs,
+        chat_template=resolve_chat_template(cfg.chat_template, tokenizer) if needs_template else None,
+    )
+    examples: list[Example] = []
+    stats: list[DatasetStats] = []
+    for ds in cfg.datasets:
+        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files)
+        kept, ds_stats = examples_from_rows(rows, ds, ctx, cfg.sequence_len)
+        examples.extend(kept)
+        stats.append(ds_stats)
+    stats.append(_total(stats))
+    random.Random(cfg.seed).shuffle(examples)
+    train_count = len(examples) - validation_count(cfg.val_set_size, len(examples))
+    return LoadedData(train=examples[:train_count], val=examples[train_count:], stats=stats)
+
+
+def examples_from_rows(
+    rows: Iterable[Row], ds: DatasetConfig, ctx: StrategyContext, sequence_len: int
+) -> tuple[list[Example], DatasetStats]:
+    """Each row's Example, truncated to `sequence_len`; examples shorter than 2 tokens or with no trained
+    token are dropped."""
+    stats = DatasetStats(ds.path)
+    kept = []
+    for row in rows:
+        example = row_to_example(row, ds, ctx)
+        if len(example) > sequence_len:
+            example = Example(example.input_ids[:sequence_len], example.labels[:sequence_len])
+            stats.truncated += 1
+        if len(example) < 2 or example.trained_tokens == 0:
+            stats.dropped += 1
+            continue
+        kept.append(example)
+        stats.examples += 1
+        stats.tokens += len(example)
+        stats.trained_tokens += example.trained_tokens
+    return kept, stats
+
+
+def validation_count(val_set_size: float, n: int) -> int:
+    """`val_set_size` ≤ 1 is a fraction of `n` (rounded up), above 1 a count; never more than `n`."""
+    if val_set_size <= 1:
+        # round first: 0.1 * 30 is 3.0000000000000004 in floating point, which must not ceil to 4
+        count = math.ceil(round(val_set_size * n, 9))
+    else:
+        count = int(val_set_size)
+    return min(count, n)
+
+
+def format_stats(stats: list[DatasetStats]) -> str:
+    return "\n".join(
+        f"{s.path}: {s.examples} examples, {s.tokens} tokens, {s.trained_tokens} trained, "
+        f"{s.truncated} truncated, {s.dropped} dropped"
+        for s in stats
+    )
+
+
+def _total(stats: list[DatasetStats]) -> DatasetStats:
+    return DatasetStats(
+        path="total",
+        examples=sum(s.examples for s in stats),
+        tokens=sum(s.tokens for s in stats),
+        trained_tokens=sum(s.trained_tokens for s in stats),
+        truncated=sum(s.truncated for s in stats),
+        dropped=sum(s.dropped for s in stats),
+    )

