@@ -23,6 +23,8 @@ def attach_lora(
 
     The adapter stays free of bias, DoRA and modules_to_save so that vLLM loads it as it is.
     """
+    if target_modules == "all-linear":
+        target_modules = linear_module_names(model)
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -37,6 +39,21 @@ def attach_lora(
         raise ModelError(f"cannot attach LoRA to {model.config.model_type}: {exc}") from None
     peft_model.peft_config["default"].base_model_name_or_path = base_model_name
     return peft_model
+
+
+def linear_module_names(model: PreTrainedModel) -> list[str]:
+    """Short names of every linear layer except the output projection (q_proj, …, down_proj on Llama/Qwen3).
+
+    peft's own "all-linear" writes full module paths into adapter_config.json; short names are what users
+    and serving stacks expect there.
+    """
+    output = model.get_output_embeddings()
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not output
+    }
+    return sorted(names)
 
 
 def save_adapter(model: PeftModel, directory: str | Path) -> None:

@@ -1,0 +1,186 @@
+"""End-to-end `gym train` / `gym merge` on a tiny random Qwen3 model that uses the real Qwen3 tokenizer."""
+
+import json
+import pytest
+import torch
+import yaml
+from peft import PeftModel
+from tiny_models import tiny_model
+from transformers import AutoModelForCausalLM
+
+from hanzo_gym import checkpoint as checkpoint_module
+from hanzo_gym.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory, qwen3_tokenizer):
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    tokenizer = qwen3_tokenizer
+    model = tiny_model("qwen3", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=None,
+                       bos_token_id=None)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    with open(path, "w") as handle:
+        for a in range(8):
+            for b in range(5):
+                messages = [{"role": "user", "content": f"{a} and {b}?"},
+                            {"role": "assistant", "content": f"{a} and {b} make {a + b}."}]
+                handle.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def _config(tmp_path, tiny_base, chat_data, **overrides):
+    cfg = {
+        "base_model": str(tiny_base),
+        "datasets": [{"path": str(chat_data), "type": "chat_template"}],
+        "val_set_size": 0.1,
+        "output_dir": str(tmp_path / "run"),
+        "sequence_len": 64,
+        "adapter": "lora",
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.1,
+        "lora_target_linear": True,
+        "micro_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "num_epochs": 2,
+        "learning_rate": 5e-3,
+        "warmup_steps": 1,
+        "logging_steps": 1,
+        "save_steps": 3,
+        "seed": 7,
+    }
+    cfg.update(overrides)
+    path = tmp_path / f"run-{len(list(tmp_path.glob('*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, cfg
+
+
+def _train_losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def test_gym_train_writes_the_run_directory_and_learns(tmp_path, tiny_base, chat_data, capsys):
+    path, cfg = _config(tmp_path, tiny_base, chat_data)
+    assert main(["train", str(path)]) == 0
+    run = tmp_path / "run"
+    printed = capsys.readouterr().out
+    assert "step 1/" in printed and "eval/loss" in printed
+
+    resolved = json.loads((run / "config.json").read_text())
+    assert resolved["lora_r"] == 4 and resolved["lr_scheduler"] == "cosine"  # defaults filled in
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    # 40 rows → 36 train → 9 micro-batches of 4 → 5 windows of 2 per epoch, 2 epochs
+    assert [r["step"] for r in train_rows] == list(range(1, 11))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"):
+        assert key in train_rows[0]
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    evals = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [5, 10]  # once per epoch
+    assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
+
+    records = [json.loads(line) for line in (run / "checkpoints.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["step"]) for r in records] == [("checkpoint-3", 3), ("checkpoint-6", 6), ("checkpoint-9", 9)]
+    for record in records:
+        assert (run / record["name"] / "adapter_model.safetensors").is_file()
+    assert (run / "adapter_config.json").is_file() and (run / "adapter_model.safetensors").is_file()
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+
+
+def test_adapter_loads_in_peft_with_the_same_logits_and_merge_matches(tmp_path, tiny_base, chat_data):
+    path, _ = _config(tmp_path, tiny_base, chat_data, max_steps=3, save_steps=None)
+    assert main(["train", str(path)]) == 0
+    run = tmp_path / "run"
+    config = json.loads((run / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["bias"] == "none"
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+    tokens = torch.tensor([[9707, 11, 1879, 0, 42, 77, 5]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_base)
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+    adapted = PeftModel.from_pretrained(base, str(run)).eval()
+    with torch.no_grad():
+        adapted_logits = adapted(tokens).logits
+    assert not torch.allclose(adapted_logits, base_logits, atol=1e-4)  # the adapter did something
+
+    assert main(["merge", str(path), "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, adapted_logits, rtol=1e-4, atol=1e-5)
+    assert (tmp_path / "merged" / "tokenizer_config.json").is_file()
+
+
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, tiny_base, chat_data):
+    path, _ = _config(tmp_path, tiny_base, chat_data)
+    assert main(["train", str(path)]) == 0
+    uninterrupted = _train_losses(tmp_path / "run")
+
+    resumed_path, _ = _config(
+        tmp_path, tiny_base, chat_data, output_dir=str(tmp_path / "resumed"),
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-6"),  # mid-epoch-2 window boundary
+    )
+    assert main(["train", str(resumed_path)]) == 0
+    resumed = _train_losses(tmp_path / "resumed")
+    assert sorted(resumed) == [7, 8, 9, 10]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6, abs=1e-7), step
+
+
+def test_crash_while_writing_a_checkpoint_leaves_only_trusted_ones(tmp_path, tiny_base, chat_data, monkeypatch):
+    path, _ = _config(tmp_path, tiny_base, chat_data, resume_from_checkpoint=True)
+    real_write = checkpoint_module.write_checkpoint
+    calls = []
+
+    def write_then_die(directory, engine, position):
+        calls.append(position.step)
+        if len(calls) == 2:
+            (directory / "adapter_model.safetensors").write_bytes(b"half")
+            raise KeyboardInterrupt  # the process is killed mid-write
+        real_write(directory, engine, position)
+
+    monkeypatch.setattr("hanzo_gym.sft.write_checkpoint", write_then_die)
+    assert main(["train", str(path)]) == 130
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+
+    monkeypatch.setattr("hanzo_gym.sft.write_checkpoint", real_write)
+    assert main(["train", str(path)]) == 0  # resume_from_checkpoint: true picks checkpoint-3
+    assert sorted(_train_losses(run)) == list(range(1, 11))
+    assert (run / "checkpoint-9").is_dir()
+
+
+def test_gradient_checkpointing_and_packing_train(tmp_path, tiny_base, chat_data):
+    plain, _ = _config(tmp_path, tiny_base, chat_data, max_steps=2, lora_dropout=0.0, save_steps=None)
+    assert main(["train", str(plain)]) == 0
+    checkpointed, _ = _config(tmp_path, tiny_base, chat_data, max_steps=2, lora_dropout=0.0, save_steps=None,
+                              gradient_checkpointing=True, output_dir=str(tmp_path / "gc"))
+    assert main(["train", str(checkpointed)]) == 0
+    a, b = _train_losses(tmp_path / "run"), _train_losses(tmp_path / "gc")
+    assert a == pytest.approx(b, rel=1e-5)
+
+    packed, _ = _config(tmp_path, tiny_base, chat_data, max_steps=2, save_steps=None, sample_packing=True,
+                        micro_batch_size=1, output_dir=str(tmp_path / "packed"))
+    assert main(["train", str(packed)]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()]
+    # one packed row of up to 64 tokens holds several ~20-token examples
+    assert rows[0]["tokens"] > 64
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base_model: x\noutput_dir: o\nadapter: lora\nlora_target_linear: true\nlearning_rat: 1\n"
+                   "datasets: [{path: d.jsonl, type: alpaca}]\n")
+    assert main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bad.yaml:5" in err and "learning_rate" in err and "Traceback" not in err
