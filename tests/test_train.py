@@ -85,7 +85,7 @@ def test_gym_train_writes_the_run_directory_and_learns(tmp_path, tiny_base, chat
         assert key in train_rows[0]
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]
     evals = [r for r in rows if "eval/loss" in r]
-    assert [r["step"] for r in evals] == [5, 10]  # once per epoch
+    assert [r["step"] for r in evals] == [0, 5, 10]  # before training, then once per epoch
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
 
     records = [json.loads(line) for line in (run / "checkpoints.jsonl").read_text().splitlines()]

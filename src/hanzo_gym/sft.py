@@ -92,6 +92,16 @@ def train_sft(
     last_eval: float | None = None
     step = position.step
 
+    def run_eval(epoch_progress: float) -> float:
+        loss = evaluate(engine, val, cfg.micro_batch_size)
+        run.log({"step": step, "epoch": round(epoch_progress, 4), "eval/loss": loss,
+                 "elapsed_s": time.perf_counter() - started})
+        say(f"eval step {step} epoch {epoch_progress:.2f} eval/loss {loss:.4f}")
+        return loss
+
+    if val and step == 0:
+        last_eval = run_eval(0.0)  # the base model's loss: the number training has to beat
+
     for epoch in range(position.epoch, cfg.num_epochs):
         windows = _windows(cfg, train, epoch)
         first = position.window if epoch == position.epoch else 0
@@ -144,10 +154,7 @@ def train_sft(
 
             end_of_epoch = index == len(windows) - 1
             if val and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == total):
-                last_eval = evaluate(engine, val, cfg.micro_batch_size)
-                run.log({"step": step, "epoch": round(epoch_progress, 4), "eval/loss": last_eval,
-                         "elapsed_s": time.perf_counter() - started})
-                say(f"eval step {step} epoch {epoch_progress:.2f} eval/loss {last_eval:.4f}")
+                last_eval = run_eval(epoch_progress)
 
             if cfg.save_steps and step % cfg.save_steps == 0:
                 next_position = (epoch, index + 1) if not end_of_epoch else (epoch + 1, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,7 +35,10 @@ def attach_lora(
         task_type="CAUSAL_LM",
     )
     try:
-        peft_model = get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # peft 0.21 calls a transformers 5 method that was renamed; nothing for the user to change.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = get_peft_model(model, config)
     except ValueError as exc:
         raise ModelError(f"cannot attach LoRA to {model.config.model_type}: {exc}") from None
     peft_model.peft_config["default"].base_model_name_or_path = base_model_name
@@ -57,7 +61,11 @@ def linear_module_names(model: PreTrainedModel) -> list[str]:
 
 
 def save_adapter(model: PeftModel, directory: str | Path) -> None:
-    model.save_pretrained(str(directory))
+    with warnings.catch_warnings():
+        # peft looks for the base model's config.json to detect resized embeddings; a .gguf or hub-id base has
+        # none at that path. hanzo-gym never resizes embeddings, so the warning says nothing.
+        warnings.filterwarnings("ignore", message="Could not find a config file")
+        model.save_pretrained(str(directory))
 
 
 def load_adapter_weights(model: PeftModel, directory: str | Path) -> None:
