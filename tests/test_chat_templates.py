@@ -6,8 +6,8 @@ from jinja2 import TemplateError
 from hanzo_gym.data.chat_templates import (
     CHATML,
     LLAMA3,
-    QWEN3,
     NO_TEMPLATE,
+    QWEN3,
     render_chat,
     resolve_chat_template,
     tokenizer_template,

@@ -31,19 +31,36 @@ def test_defaults_match_the_original(tmp_path):
     cfg = _load(tmp_path, BASE)
     assert (cfg.sequence_len, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == (2048, 8, 16.0, 0.0)
     assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.num_epochs) == (1, 1, 1)
-    assert (cfg.learning_rate, cfg.lr_scheduler, cfg.weight_decay, cfg.max_grad_norm) == (2e-4, "cosine", 0.0, 1.0)
+    assert (cfg.learning_rate, cfg.lr_scheduler, cfg.weight_decay, cfg.max_grad_norm) == (
+        2e-4,
+        "cosine",
+        0.0,
+        1.0,
+    )
     assert (cfg.logging_steps, cfg.seed, cfg.bf16, cfg.val_set_size) == (10, 42, "auto", 0.0)
     ds = cfg.datasets[0]
-    assert (ds.field_messages, ds.roles_to_train, ds.train_on_eos, ds.field) == ("messages", ["assistant"], "turn", "text")
+    assert (ds.field_messages, ds.roles_to_train, ds.train_on_eos, ds.field) == (
+        "messages",
+        ["assistant"],
+        "turn",
+        "text",
+    )
     assert (ds.mappings.role, ds.mappings.content) == ("role", "content")
     trl = cfg.trl
     assert (trl.num_generations, trl.max_completion_length, trl.beta, trl.temperature, trl.scale_rewards) == (
-        4, 256, 0.0, 1.0, True)
+        4,
+        256,
+        0.0,
+        1.0,
+        True,
+    )
     assert cfg.lora_targets() == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def test_axolotl_finetome_config_parses(tmp_path):
-    cfg = _load(tmp_path, """\
+    cfg = _load(
+        tmp_path,
+        """\
 base_model: Qwen/Qwen3-0.6B
 chat_template: qwen3
 datasets:
@@ -65,7 +82,8 @@ learning_rate: 2e-4
 warmup_ratio: 0.03
 gradient_checkpointing: true
 sample_packing: true
-""")
+""",
+    )
     assert cfg.learning_rate == 2e-4 and isinstance(cfg.learning_rate, float)
     assert cfg.lora_alpha / cfg.lora_r == 2.0 and len(cfg.lora_targets()) == 6
     assert cfg.warmup(100) == 3 and cfg.datasets[0].mappings.role == "from"
@@ -88,7 +106,9 @@ def test_unknown_key_names_line_and_nearest_key(tmp_path):
 
 def test_unknown_nested_key_names_its_path(tmp_path):
     message = _error(tmp_path, BASE + "    field_mesages: conversations\n")
-    assert "run.yaml:8" in message and "datasets[0].field_mesages" in message and "`field_messages`" in message
+    assert (
+        "run.yaml:8" in message and "datasets[0].field_mesages" in message and "`field_messages`" in message
+    )
     message = _error(tmp_path, BASE + "trl:\n  num_generation: 8\n")
     assert "run.yaml:9" in message and "trl.num_generation" in message and "`num_generations`" in message
 
@@ -124,7 +144,9 @@ def test_features_we_do_not_have_fail_at_load_with_a_sentence(tmp_path, extra, e
 
 
 def test_qlora_and_full_finetune_fail_at_load(tmp_path):
-    assert "QLoRA (adapter: qlora) is not supported yet" in _error(tmp_path, BASE.replace("adapter: lora", "adapter: qlora"))
+    assert "QLoRA (adapter: qlora) is not supported yet" in _error(
+        tmp_path, BASE.replace("adapter: lora", "adapter: qlora")
+    )
     assert "full fine-tuning" in _error(tmp_path, BASE.replace("adapter: lora\n", ""))
 
 
@@ -132,7 +154,9 @@ def test_cross_key_rules(tmp_path):
     assert "lora_target_modules" in _error(tmp_path, BASE.replace("lora_target_linear: true\n", ""))
     assert "at least 1 item" in _error(tmp_path, BASE.split("datasets:")[0] + "datasets: []\n")
     assert "needs `trl.reward_funcs`" in _error(tmp_path, BASE + "rl: grpo\n")
-    message = _error(tmp_path, BASE + "rl: grpo\ntrl:\n  reward_funcs: [exact_match]\n  reward_weights: [1, 2]\n")
+    message = _error(
+        tmp_path, BASE + "rl: grpo\ntrl:\n  reward_funcs: [exact_match]\n  reward_weights: [1, 2]\n"
+    )
     assert "give one weight per function" in message
     assert "greater than or equal to 2" in _error(tmp_path, BASE + "trl:\n  num_generations: 1\n")
 

@@ -11,7 +11,9 @@ from hanzo_gym.token_logprobs import token_logprobs
 
 def _lora(kind="llama", dropout=0.0):
     model = tiny_model(kind)
-    peft_model = attach_lora(model, r=4, alpha=8, dropout=dropout, target_modules="all-linear", base_model_name="tiny")
+    peft_model = attach_lora(
+        model, r=4, alpha=8, dropout=dropout, target_modules="all-linear", base_model_name="tiny"
+    )
     # B starts at zero; give it values so the adapter changes the output in these tests.
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -123,7 +125,9 @@ def test_optim_step_matches_torch_adamw_with_clipping():
     engine.forward_backward([_datum(seq)])
     for ref, p in zip(reference, engine.trainable):
         ref.grad = p.grad.clone()
-    params = AdamParams(learning_rate=1e-3, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.01)
+    params = AdamParams(
+        learning_rate=1e-3, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.01
+    )
     stats = engine.optim_step(params)
 
     norm = torch.nn.utils.clip_grad_norm_(reference, 0.01)

@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from hanzo_gym.errors import ModelError
 from hanzo_gym.model import hub
 
-TINY = dict(
-    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2,
-)  # fmt: skip
+TINY = {
+    "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2,
+}  # fmt: skip
 OFFLINE_MESSAGE = (
     "base_model `owner/name` is not a local directory or .gguf file, and the hub repo is not in the local "
     "cache (HF_HUB_OFFLINE=1 / no network): download it first or point base_model at a local directory"

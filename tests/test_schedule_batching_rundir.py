@@ -68,7 +68,9 @@ def test_run_dir_records_and_forgets(tmp_path):
     (run.path / "checkpoint-9").mkdir()  # no trainer_state.json: incomplete, never trusted
     assert run.latest_checkpoint() == run.path / "checkpoint-2"
     records = [json.loads(x) for x in run.checkpoints_path.read_text().splitlines()]
-    assert records == [{"name": "checkpoint-2", "step": 2, "epoch": 0.5, "path": str(run.path / "checkpoint-2")}]
+    assert records == [
+        {"name": "checkpoint-2", "step": 2, "epoch": 0.5, "path": str(run.path / "checkpoint-2")}
+    ]
     run.forget_after(2)
     assert [row["step"] for row in run.metrics()] == [1, 2]
     with open(run.metrics_path, "a") as handle:

@@ -1,6 +1,7 @@
 """End-to-end `gym train` / `gym merge` on a tiny random Qwen3 model that uses the real Qwen3 tokenizer."""
 
 import json
+
 import pytest
 import torch
 import yaml
@@ -16,8 +17,13 @@ from hanzo_gym.cli import main
 def tiny_base(tmp_path_factory, qwen3_tokenizer):
     directory = tmp_path_factory.mktemp("tiny-qwen3")
     tokenizer = qwen3_tokenizer
-    model = tiny_model("qwen3", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=None,
-                       bos_token_id=None)
+    model = tiny_model(
+        "qwen3",
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -29,8 +35,10 @@ def chat_data(tmp_path_factory):
     with open(path, "w") as handle:
         for a in range(8):
             for b in range(5):
-                messages = [{"role": "user", "content": f"{a} and {b}?"},
-                            {"role": "assistant", "content": f"{a} and {b} make {a + b}."}]
+                messages = [
+                    {"role": "user", "content": f"{a} and {b}?"},
+                    {"role": "assistant", "content": f"{a} and {b} make {a + b}."},
+                ]
                 handle.write(json.dumps({"messages": messages}) + "\n")
     return path
 
@@ -68,7 +76,7 @@ def _train_losses(run_dir):
 
 
 def test_gym_train_writes_the_run_directory_and_learns(tmp_path, tiny_base, chat_data, capsys):
-    path, cfg = _config(tmp_path, tiny_base, chat_data)
+    path, _ = _config(tmp_path, tiny_base, chat_data)
     assert main(["train", str(path)]) == 0
     run = tmp_path / "run"
     printed = capsys.readouterr().out
@@ -89,7 +97,11 @@ def test_gym_train_writes_the_run_directory_and_learns(tmp_path, tiny_base, chat
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
 
     records = [json.loads(line) for line in (run / "checkpoints.jsonl").read_text().splitlines()]
-    assert [(r["name"], r["step"]) for r in records] == [("checkpoint-3", 3), ("checkpoint-6", 6), ("checkpoint-9", 9)]
+    assert [(r["name"], r["step"]) for r in records] == [
+        ("checkpoint-3", 3),
+        ("checkpoint-6", 6),
+        ("checkpoint-9", 9),
+    ]
     for record in records:
         assert (run / record["name"] / "adapter_model.safetensors").is_file()
     assert (run / "adapter_config.json").is_file() and (run / "adapter_model.safetensors").is_file()
@@ -102,7 +114,15 @@ def test_adapter_loads_in_peft_with_the_same_logits_and_merge_matches(tmp_path, 
     run = tmp_path / "run"
     config = json.loads((run / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["bias"] == "none"
-    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
 
     tokens = torch.tensor([[9707, 11, 1879, 0, 42, 77, 5]])
     base = AutoModelForCausalLM.from_pretrained(tiny_base)
@@ -126,7 +146,10 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, tiny_base, ch
     uninterrupted = _train_losses(tmp_path / "run")
 
     resumed_path, _ = _config(
-        tmp_path, tiny_base, chat_data, output_dir=str(tmp_path / "resumed"),
+        tmp_path,
+        tiny_base,
+        chat_data,
+        output_dir=str(tmp_path / "resumed"),
         resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-6"),  # mid-epoch-2 window boundary
     )
     assert main(["train", str(resumed_path)]) == 0
@@ -136,7 +159,9 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, tiny_base, ch
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6, abs=1e-7), step
 
 
-def test_crash_while_writing_a_checkpoint_leaves_only_trusted_ones(tmp_path, tiny_base, chat_data, monkeypatch):
+def test_crash_while_writing_a_checkpoint_leaves_only_trusted_ones(
+    tmp_path, tiny_base, chat_data, monkeypatch
+):
     path, _ = _config(tmp_path, tiny_base, chat_data, resume_from_checkpoint=True)
     real_write = checkpoint_module.write_checkpoint
     calls = []
@@ -163,14 +188,30 @@ def test_crash_while_writing_a_checkpoint_leaves_only_trusted_ones(tmp_path, tin
 def test_gradient_checkpointing_and_packing_train(tmp_path, tiny_base, chat_data):
     plain, _ = _config(tmp_path, tiny_base, chat_data, max_steps=2, lora_dropout=0.0, save_steps=None)
     assert main(["train", str(plain)]) == 0
-    checkpointed, _ = _config(tmp_path, tiny_base, chat_data, max_steps=2, lora_dropout=0.0, save_steps=None,
-                              gradient_checkpointing=True, output_dir=str(tmp_path / "gc"))
+    checkpointed, _ = _config(
+        tmp_path,
+        tiny_base,
+        chat_data,
+        max_steps=2,
+        lora_dropout=0.0,
+        save_steps=None,
+        gradient_checkpointing=True,
+        output_dir=str(tmp_path / "gc"),
+    )
     assert main(["train", str(checkpointed)]) == 0
     a, b = _train_losses(tmp_path / "run"), _train_losses(tmp_path / "gc")
     assert a == pytest.approx(b, rel=1e-5)
 
-    packed, _ = _config(tmp_path, tiny_base, chat_data, max_steps=2, save_steps=None, sample_packing=True,
-                        micro_batch_size=1, output_dir=str(tmp_path / "packed"))
+    packed, _ = _config(
+        tmp_path,
+        tiny_base,
+        chat_data,
+        max_steps=2,
+        save_steps=None,
+        sample_packing=True,
+        micro_batch_size=1,
+        output_dir=str(tmp_path / "packed"),
+    )
     assert main(["train", str(packed)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()]
     # one packed row of up to 64 tokens holds several ~20-token examples
@@ -179,8 +220,15 @@ def test_gradient_checkpointing_and_packing_train(tmp_path, tiny_base, chat_data
 
 def test_cli_errors_are_one_line_without_traceback(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("base_model: x\noutput_dir: o\nadapter: lora\nlora_target_linear: true\nlearning_rat: 1\n"
-                   "datasets: [{path: d.jsonl, type: alpaca}]\n")
+    bad.write_text(
+        "base_model: x\noutput_dir: o\nadapter: lora\nlora_target_linear: true\nlearning_rat: 1\n"
+        "datasets: [{path: d.jsonl, type: alpaca}]\n"
+    )
     assert main(["train", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "bad.yaml:5" in err and "learning_rate" in err and "Traceback" not in err
+    assert (
+        err.startswith("error: ")
+        and "bad.yaml:5" in err
+        and "learning_rate" in err
+        and "Traceback" not in err
+    )

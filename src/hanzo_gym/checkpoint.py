@@ -44,7 +44,9 @@ def read_checkpoint(directory: Path, engine: Engine, plan: dict) -> TrainerPosit
     """Restore adapter, optimizer and RNG from `directory` into `engine`; return where training stood."""
     state_file = directory / TRAINER_STATE
     if not state_file.is_file():
-        raise GymError(f"{directory} is not a complete checkpoint (no {TRAINER_STATE}); pick another or start fresh")
+        raise GymError(
+            f"{directory} is not a complete checkpoint (no {TRAINER_STATE}); pick another or start fresh"
+        )
     position = TrainerPosition(**json.loads(state_file.read_text()))
     changed = {k: (position.plan.get(k), v) for k, v in plan.items() if position.plan.get(k) != v}
     if changed:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hanzo_gym.errors import ConfigError
+from hanzo_gym.errors import ConfigError, DataError
 from hanzo_gym.yaml_source import load_yaml_file
 
 LORA_LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -48,7 +48,7 @@ class DatasetConfig(_Strict):
 
             try:
                 Split.parse(value)
-            except Exception as exc:  # the parser's message already says what is allowed
+            except DataError as exc:  # the parser's message already says what is allowed
                 raise ValueError(str(exc)) from None
         return value
 
@@ -147,7 +147,10 @@ _VALUES_NOT_YET: dict[tuple[str, Any], str] = {
     ("adapter", "qlora"): "QLoRA (adapter: qlora) is not supported yet; use `adapter: lora`",
     ("adapter", "full"): "full fine-tuning is not supported yet; use `adapter: lora`",
     **{
-        ("rl", name): f"rl: {name} (DPO family) is not supported yet; hanzo-gym trains `rl: grpo` or SFT (no `rl` key)"
+        (
+            "rl",
+            name,
+        ): f"rl: {name} (DPO family) is not supported yet; hanzo-gym trains `rl: grpo` or SFT (no `rl` key)"
         for name in ("dpo", "ipo", "kto", "orpo", "simpo")
     },
 }
@@ -243,7 +246,9 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
         errors = sorted(exc.errors(), key=lambda e: _line_of(lines, e["loc"]) or 0)
         raise ConfigError("\n".join(_describe(error, source, lines) for error in errors)) from None
     if cfg.rl == "grpo":
-        raise ConfigError(f"{source}:{_line_of(lines, ('rl',))}: rl: grpo is not available in this version yet (SFT only)")
+        raise ConfigError(
+            f"{source}:{_line_of(lines, ('rl',))}: rl: grpo is not available in this version yet (SFT only)"
+        )
     return cfg
 
 

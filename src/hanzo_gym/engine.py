@@ -57,8 +57,12 @@ class Engine:
             raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
         self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0)
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if getattr(causal_lm.config, "final_logit_softcapping", None) or hasattr(causal_lm.config, "logit_scale"):
-            raise GymError(f"{causal_lm.config.model_type}: scaled or soft-capped output logits are not supported yet")
+        if getattr(causal_lm.config, "final_logit_softcapping", None) or hasattr(
+            causal_lm.config, "logit_scale"
+        ):
+            raise GymError(
+                f"{causal_lm.config.model_type}: scaled or soft-capped output logits are not supported yet"
+            )
         self._decoder = causal_lm.get_decoder()
         self._output_weight = causal_lm.get_output_embeddings().weight
 
@@ -72,12 +76,16 @@ class Engine:
             raise GymError("every datum needs at least one input token")
         tokens = torch.tensor([t for d in datums for t in d.model_input], device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        targets = torch.cat([_as_tensor(d.loss_fn_inputs["target_tokens"], torch.long, len(d)) for d in datums])
+        targets = torch.cat(
+            [_as_tensor(d.loss_fn_inputs["target_tokens"], torch.long, len(d)) for d in datums]
+        )
         # transformers infers the per-datum attention blocks from restarting position ids only without a cache.
         hidden = self._decoder(
             input_ids=tokens[None], position_ids=positions[None], use_cache=False
         ).last_hidden_state[0]
-        return token_logprobs(hidden, self._output_weight, targets.to(self.device), self.logprob_chunk), lengths
+        return token_logprobs(
+            hidden, self._output_weight, targets.to(self.device), self.logprob_chunk
+        ), lengths
 
     def forward(self, datums: list[Datum]) -> list[torch.Tensor]:
         """Per-token log-probabilities of each datum's targets; no gradients, dropout off."""
@@ -98,7 +106,9 @@ class Engine:
             raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
         _check_inputs(datums, loss_fn)
         inputs = {
-            key: torch.cat([_as_tensor(d.loss_fn_inputs[key], torch.float32, len(d)) for d in datums]).to(self.device)
+            key: torch.cat([_as_tensor(d.loss_fn_inputs[key], torch.float32, len(d)) for d in datums]).to(
+                self.device
+            )
             for key in REQUIRED_INPUTS[loss_fn]
         }
         self.model.train()
@@ -114,7 +124,9 @@ class Engine:
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Clip (when asked), take one AdamW step with these parameters, and clear the gradients."""
         grads = [p.grad for p in self.trainable if p.grad is not None]
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        grad_norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+        )
         grad_norm = grad_norm.item() if grads else 0.0
         if adam.grad_clip_norm > 0 and grad_norm > adam.grad_clip_norm:
             scale = adam.grad_clip_norm / (grad_norm + 1e-6)
@@ -122,7 +134,10 @@ class Engine:
                 g.mul_(scale)
         for group in self.optimizer.param_groups:
             group.update(
-                lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -103,7 +103,9 @@ class RunDir:
         complete = [
             p
             for p in self.path.glob(f"{CHECKPOINT_PREFIX}*")
-            if p.is_dir() and p.name.removeprefix(CHECKPOINT_PREFIX).isdigit() and (p / TRAINER_STATE).is_file()
+            if p.is_dir()
+            and p.name.removeprefix(CHECKPOINT_PREFIX).isdigit()
+            and (p / TRAINER_STATE).is_file()
         ]
         return max(complete, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)), default=None)
 

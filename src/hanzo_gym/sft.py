@@ -94,8 +94,14 @@ def train_sft(
 
     def run_eval(epoch_progress: float) -> float:
         loss = evaluate(engine, val, cfg.micro_batch_size)
-        run.log({"step": step, "epoch": round(epoch_progress, 4), "eval/loss": loss,
-                 "elapsed_s": time.perf_counter() - started})
+        run.log(
+            {
+                "step": step,
+                "epoch": round(epoch_progress, 4),
+                "eval/loss": loss,
+                "elapsed_s": time.perf_counter() - started,
+            }
+        )
         say(f"eval step {step} epoch {epoch_progress:.2f} eval/loss {loss:.4f}")
         return loss
 
@@ -159,10 +165,11 @@ def train_sft(
             if cfg.save_steps and step % cfg.save_steps == 0:
                 next_position = (epoch, index + 1) if not end_of_epoch else (epoch + 1, 0)
                 mark = TrainerPosition(step=step, epoch=next_position[0], window=next_position[1], plan=plan)
-                path = run.save_checkpoint(step, epoch_progress, lambda d: write_checkpoint(d, engine, mark))
+                path = run.save_checkpoint(
+                    step, epoch_progress, lambda d, mark=mark: write_checkpoint(d, engine, mark)
+                )
                 say(f"saved {path}")
         if step >= total:
             break
     bar.close()
     return SftResult(steps=step, last_eval_loss=last_eval)
-

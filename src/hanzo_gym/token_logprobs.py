@@ -14,7 +14,7 @@ DEFAULT_CHUNK = 1024
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, chunk):  # noqa: ANN001, ANN205
+    def forward(ctx, hidden_NH, weight_VH, targets_N, chunk):
         n = hidden_NH.shape[0]
         logprobs_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
         logsumexp_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
@@ -29,11 +29,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return logprobs_N
 
     @staticmethod
-    def backward(ctx, grad_N):  # noqa: ANN001, ANN205
+    def backward(ctx, grad_N):
         hidden_NH, weight_VH, targets_N, logsumexp_N = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden_NH) if need_hidden else None
-        grad_weight = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_weight else None
+        grad_weight = (
+            torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
+            if need_weight
+            else None
+        )
         active = grad_N.nonzero().squeeze(1)
         for start in range(0, active.numel(), ctx.chunk):
             rows = active[start : start + ctx.chunk]

@@ -27,7 +27,9 @@ def build_engine(cfg: Config, device: torch.device, dtype: torch.dtype) -> Engin
     model = load_causal_lm(cfg.base_model, dtype).to(device)
     if cfg.gradient_checkpointing:
         # transformers 5 renamed it; the old name still works there but warns.
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable = (
+            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        )
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = "all-linear" if cfg.lora_target_linear else cfg.lora_target_modules
@@ -42,7 +44,9 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
     if wanted is True:
         latest = run.latest_checkpoint()
         if latest is None:
-            print(f"resume_from_checkpoint: true, but {run.path} has no complete checkpoint yet: starting fresh")
+            print(
+                f"resume_from_checkpoint: true, but {run.path} has no complete checkpoint yet: starting fresh"
+            )
         return latest
     path = Path(wanted)
     if not path.is_dir():

@@ -20,7 +20,7 @@ _YAML12_FLOAT = re.compile(
     r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""",
-    re.X,
+    re.VERBOSE,
 )
 _YAML12_INT = re.compile(r"^[-+]?[0-9]+$")
 
@@ -31,7 +31,9 @@ class _Loader(yaml.SafeLoader):
 
 # Rebuild the implicit resolvers for numbers: ints stay ints, everything float-shaped becomes a float.
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:float", "tag:yaml.org,2002:int")]
+    first: [
+        (tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:float", "tag:yaml.org,2002:int")
+    ]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver("tag:yaml.org,2002:int", _YAML12_INT, list("-+0123456789"))

@@ -28,8 +28,8 @@ from huggingface_hub import (
 )
 from huggingface_hub.errors import (
     CachedRepoTreeNotFoundError,
-    HFValidationError,
     HfHubHTTPError,
+    HFValidationError,
     IncompleteSnapshotError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
@@ -102,7 +102,7 @@ def _parse_bound(spec: str, text: str | None) -> int | float | None:
     )
 
 
-def _resolve_bound(bound: int | float | None, n: int, default: int) -> int:
+def _resolve_bound(bound: float | None, n: int, default: int) -> int:
     if bound is None:
         return default
     if isinstance(bound, float):

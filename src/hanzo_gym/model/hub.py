@@ -20,8 +20,8 @@ import huggingface_hub
 import torch
 import transformers
 from huggingface_hub.errors import (
-    HFValidationError,
     HfHubHTTPError,
+    HFValidationError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,

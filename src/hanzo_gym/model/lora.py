@@ -78,7 +78,9 @@ def load_adapter_weights(model: PeftModel, directory: str | Path) -> None:
         raise ModelError(f"{path} does not exist: not a PEFT adapter directory")
     result = set_peft_model_state_dict(model, load_file(str(path), device=str(model.device)))
     if result.unexpected_keys:
-        raise ModelError(f"{path}: adapter does not match this model (unexpected {result.unexpected_keys[:3]})")
+        raise ModelError(
+            f"{path}: adapter does not match this model (unexpected {result.unexpected_keys[:3]})"
+        )
 
 
 def merged_model(model: PeftModel) -> PreTrainedModel:
