@@ -26,11 +26,11 @@ def pick_device_and_dtype(bf16: str | bool) -> tuple[torch.device, torch.dtype]:
 def build_engine(cfg: Config, device: torch.device, dtype: torch.dtype) -> Engine:
     model = load_causal_lm(cfg.base_model, dtype).to(device)
     if cfg.gradient_checkpointing:
-        # transformers 5 renamed it; the old name still works there but warns.
-        enable = (
-            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        )
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing works with a frozen base (no input that requires grad).
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers' new name; the old one warns
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = "all-linear" if cfg.lora_target_linear else cfg.lora_target_modules
     peft_model = attach_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, cfg.base_model)
