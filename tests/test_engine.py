@@ -146,3 +146,21 @@ def test_bad_datums_are_named():
         engine.forward_backward([_datum([1, 2, 3])], loss_fn="nope")
     with pytest.raises(GymError, match="expected \\(2,\\)"):
         engine.forward_backward([Datum([1, 2], {"target_tokens": [2, 3], "weights": [1.0]})])
+
+
+def test_passes_split_by_token_budget_and_accumulate_the_same_gradient():
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (8, 12, 5, 30)]
+    datums = [_datum(s, [0.05] * (len(s) - 1)) for s in seqs]
+    results = []
+    for budget in (1000, 16):
+        engine = Engine(_lora(), max_tokens_per_pass=budget)
+        assert [len(group) for group in engine._passes(datums)] == ([4] if budget == 1000 else [1, 2, 1])
+        out = engine.forward_backward(datums)
+        results.append((out.loss_sum, out.logprobs, [p.grad.clone() for p in engine.trainable]))
+    (loss_a, lp_a, grads_a), (loss_b, lp_b, grads_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+    for a, b in zip(lp_a, lp_b):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)

@@ -48,21 +48,21 @@ class ForwardBackwardOutput:
 
 
 class Engine:
-    def __init__(self, model: PreTrainedModel, logprob_chunk: int = 1024):
+    def __init__(
+        self, model: PreTrainedModel, max_tokens_per_pass: int | None = None, logprob_chunk: int = 1024
+    ):
         self.model = model
-        self.logprob_chunk = logprob_chunk
         self.device = next(model.parameters()).device
+        self.max_tokens_per_pass = max_tokens_per_pass or default_tokens_per_pass(self.device)
+        self.logprob_chunk = logprob_chunk
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
         self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0)
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if getattr(causal_lm.config, "final_logit_softcapping", None) or hasattr(
-            causal_lm.config, "logit_scale"
-        ):
-            raise GymError(
-                f"{causal_lm.config.model_type}: scaled or soft-capped output logits are not supported yet"
-            )
+        config = causal_lm.config
+        if getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):
+            raise GymError(f"{config.model_type}: scaled or soft-capped output logits are not supported yet")
         self._decoder = causal_lm.get_decoder()
         self._output_weight = causal_lm.get_output_embeddings().weight
 
@@ -70,33 +70,18 @@ class Engine:
     def trainable_parameter_count(self) -> int:
         return sum(p.numel() for p in self.trainable)
 
-    def _packed_logprobs(self, datums: list[Datum]) -> tuple[torch.Tensor, list[int]]:
-        lengths = [len(d) for d in datums]
-        if min(lengths, default=0) < 1:
-            raise GymError("every datum needs at least one input token")
-        tokens = torch.tensor([t for d in datums for t in d.model_input], device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        targets = torch.cat(
-            [_as_tensor(d.loss_fn_inputs["target_tokens"], torch.long, len(d)) for d in datums]
-        )
-        # transformers infers the per-datum attention blocks from restarting position ids only without a cache.
-        hidden = self._decoder(
-            input_ids=tokens[None], position_ids=positions[None], use_cache=False
-        ).last_hidden_state[0]
-        return token_logprobs(
-            hidden, self._output_weight, targets.to(self.device), self.logprob_chunk
-        ), lengths
-
     def forward(self, datums: list[Datum]) -> list[torch.Tensor]:
         """Per-token log-probabilities of each datum's targets; no gradients, dropout off."""
         was_training = self.model.training
         self.model.eval()
+        logprobs: list[torch.Tensor] = []
         try:
             with torch.no_grad():
-                logprobs_N, lengths = self._packed_logprobs(datums)
+                for group in self._passes(datums):
+                    logprobs.extend(self._packed_logprobs(group).cpu().split([len(d) for d in group]))
         finally:
             self.model.train(was_training)
-        return list(logprobs_N.cpu().split(lengths))
+        return logprobs
 
     def forward_backward(
         self, datums: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
@@ -105,21 +90,45 @@ class Engine:
         if loss_fn not in LOSS_FNS:
             raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
         _check_inputs(datums, loss_fn)
-        inputs = {
-            key: torch.cat([_as_tensor(d.loss_fn_inputs[key], torch.float32, len(d)) for d in datums]).to(
-                self.device
-            )
-            for key in REQUIRED_INPUTS[loss_fn]
-        }
         self.model.train()
-        logprobs_N, lengths = self._packed_logprobs(datums)
-        loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
-        loss.backward()
-        return ForwardBackwardOutput(
-            loss_sum=loss.item(),
-            logprobs=list(logprobs_N.detach().cpu().split(lengths)),
-            metrics={"loss:sum": loss.item()},
-        )
+        loss_sum = 0.0
+        logprobs: list[torch.Tensor] = []
+        # Losses are token-level sums, so pass-by-pass backwards accumulate exactly the whole batch's gradient.
+        for group in self._passes(datums):
+            inputs = {key: self._concat(group, key, torch.float32) for key in REQUIRED_INPUTS[loss_fn]}
+            logprobs_N = self._packed_logprobs(group)
+            loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
+            loss.backward()
+            loss_sum += loss.item()
+            logprobs.extend(logprobs_N.detach().cpu().split([len(d) for d in group]))
+        return ForwardBackwardOutput(loss_sum=loss_sum, logprobs=logprobs, metrics={"loss:sum": loss_sum})
+
+    def _passes(self, datums: list[Datum]) -> list[list[Datum]]:
+        """Consecutive groups of at most `max_tokens_per_pass` tokens (a longer datum goes alone), so that
+        activation memory follows the pass size, not the batch size."""
+        groups: list[list[Datum]] = []
+        used = self.max_tokens_per_pass
+        for datum in datums:
+            if len(datum) < 1:
+                raise GymError("every datum needs at least one input token")
+            if used + len(datum) > self.max_tokens_per_pass:
+                groups.append([])
+                used = 0
+            groups[-1].append(datum)
+            used += len(datum)
+        return groups
+
+    def _concat(self, datums: list[Datum], key: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([_as_tensor(d.loss_fn_inputs[key], dtype, len(d)) for d in datums]).to(self.device)
+
+    def _packed_logprobs(self, datums: list[Datum]) -> torch.Tensor:
+        """All datums as one row: position ids restart per datum, which transformers turns into attention
+        blocks that never cross datums (it infers them only when no cache is passed)."""
+        tokens = torch.tensor([t for d in datums for t in d.model_input], device=self.device)
+        positions = torch.cat([torch.arange(len(d), device=self.device) for d in datums])
+        output = self._decoder(input_ids=tokens[None], position_ids=positions[None], use_cache=False)
+        targets = self._concat(datums, "target_tokens", torch.long)
+        return token_logprobs(output.last_hidden_state[0], self._output_weight, targets, self.logprob_chunk)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Clip (when asked), take one AdamW step with these parameters, and clear the gradients."""
@@ -142,6 +151,12 @@ class Engine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": adam.learning_rate}
+
+
+def default_tokens_per_pass(device: torch.device) -> int:
+    """On CPU activation memory (a few MB per token even for a 135M model) runs out before larger passes
+    pay off; on a GPU bigger passes keep the device busy."""
+    return 16384 if device.type == "cuda" else 512
 
 
 def _as_tensor(value: torch.Tensor | list, dtype: torch.dtype, length: int) -> torch.Tensor:
