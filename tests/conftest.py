@@ -4,7 +4,9 @@ word-level ChatML tokenizer whose token positions are easy to count by hand."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer
@@ -13,6 +15,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from hanzo_gym.data.chat_templates import CHATML
+from hanzo_gym.model import hub as model_hub
 
 WORD_TOKENIZER_SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
 WORD_TOKENIZER_WORDS = [
@@ -95,3 +98,27 @@ def word_tokenizer():
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.chat_template = CHATML
     return tokenizer
+
+
+@pytest.fixture(scope="session")
+def converted_real_model(tmp_path_factory) -> SimpleNamespace:
+    """De-quantise the real GGUF once per test run (~30 s) into a session-wide temporary cache."""
+    cache = tmp_path_factory.mktemp("hanzo_gym_cache")
+    gguf = model_hub.real_model_gguf()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HANZO_GYM_CACHE", str(cache))
+        # What a converter killed mid-write leaves behind: it must not be mistaken for the cache entry.
+        partial = cache / "gguf" / f"{model_hub._gguf_cache_key(gguf)}.partial-killed"
+        partial.mkdir(parents=True)
+        (partial / "config.json").write_text("{}")
+        started = time.monotonic()
+        model_dir = model_hub.resolve_model(str(gguf))
+        seconds = time.monotonic() - started
+    print(f"\nGGUF conversion: {seconds:.1f} s")
+    return SimpleNamespace(cache=cache, gguf=gguf, model_dir=model_dir, partial=partial, seconds=seconds)
+
+
+@pytest.fixture
+def real(converted_real_model, monkeypatch) -> SimpleNamespace:
+    monkeypatch.setenv("HANZO_GYM_CACHE", str(converted_real_model.cache))
+    return converted_real_model

@@ -268,30 +268,6 @@ def test_concurrent_converter_that_finishes_first_wins(fake_gguf, monkeypatch, t
 # ---- the real SmolLM2 GGUF ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def converted_real_model(tmp_path_factory) -> SimpleNamespace:
-    """De-quantise the real GGUF once per test run (~30 s) into a session-wide temporary cache."""
-    cache = tmp_path_factory.mktemp("hanzo_gym_cache")
-    gguf = hub.real_model_gguf()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HANZO_GYM_CACHE", str(cache))
-        # What a converter killed mid-write leaves behind: it must not be mistaken for the cache entry.
-        partial = cache / "gguf" / f"{hub._gguf_cache_key(gguf)}.partial-killed"
-        partial.mkdir(parents=True)
-        (partial / "config.json").write_text("{}")
-        started = time.monotonic()
-        model_dir = hub.resolve_model(str(gguf))
-        seconds = time.monotonic() - started
-    print(f"\nGGUF conversion: {seconds:.1f} s")
-    return SimpleNamespace(cache=cache, gguf=gguf, model_dir=model_dir, partial=partial, seconds=seconds)
-
-
-@pytest.fixture
-def real(converted_real_model, monkeypatch) -> SimpleNamespace:
-    monkeypatch.setenv("HANZO_GYM_CACHE", str(converted_real_model.cache))
-    return converted_real_model
-
-
 @pytest.mark.real_model
 def test_real_gguf_conversion_produces_model_directory(real):
     assert real.model_dir == real.cache / "gguf" / hub._gguf_cache_key(real.gguf)

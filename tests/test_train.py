@@ -233,3 +233,29 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path, capsys):
         and "learning_rate" in err
         and "Traceback" not in err
     )
+
+
+@pytest.mark.real_model
+def test_real_smollm2_from_gguf_lowers_held_out_loss(tmp_path, real):
+    path, _ = _config(
+        tmp_path,
+        real.gguf,
+        "examples/addition.jsonl",
+        val_set_size=8,
+        sequence_len=128,
+        lora_r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        micro_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_steps=4,
+        learning_rate=1e-3,
+        save_steps=None,
+    )
+    assert main(["train", str(path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [row["eval/loss"] for row in rows if "eval/loss" in row]
+    assert len(evals) == 2 and evals[1] < 0.7 * evals[0]
+    assert json.loads((tmp_path / "run" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ] == str(real.gguf)
