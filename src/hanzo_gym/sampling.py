@@ -1,0 +1,216 @@
+"""Batched sampling with a KV cache: every prompt is prefilled once, its cache is repeated for the prompt's
+samples, and all samples of all prompts decode together, one forward pass per token.
+
+The per-step bookkeeping is tensor work over the live rows; only rows whose new token could complete a stop
+string are decoded to text. Rows that finish are dropped from the batch (and the cache) in bulk.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from hanzo_gym.errors import GymError
+
+
+@dataclass
+class SamplingParams:
+    """Tinker's sampling parameters and defaults. `temperature` 0 is greedy decoding."""
+
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | Sequence[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]  # the completion, including the stop token that ended it
+    logprobs: list[float]  # raw model log-probabilities of those tokens (not temperature-adjusted)
+    stop_reason: Literal["stop", "length"]
+
+
+def _stop_lists(stop: SamplingParams.stop) -> tuple[list[int], list[str]]:
+    if stop is None:
+        return [], []
+    if isinstance(stop, str):
+        return [], [stop]
+    items = list(stop)
+    if all(isinstance(s, int) for s in items):
+        return items, []
+    if all(isinstance(s, str) for s in items):
+        return [], items
+    raise GymError("SamplingParams.stop takes strings or token ids, not a mix")
+
+
+def _filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k and top-p masks, on fp32 logits [rows, vocab]."""
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens ranked above it already cover top_p (the top token always stays)
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@functools.lru_cache(maxsize=16)
+def _tokens_containing(tokenizer: PreTrainedTokenizerBase, characters: str) -> list[bool]:
+    """For every token id: does its text contain any of `characters`? (one batched decode per tokenizer)"""
+    texts = tokenizer.batch_decode([[token_id] for token_id in range(len(tokenizer))])
+    return [any(c in text for c in characters) for text in texts]
+
+
+class _StopStrings:
+    """Finds rows whose text now ends a stop string, decoding only rows whose newest token could finish one."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, stops: list[str], vocab_size: int, device: torch.device
+    ):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.candidates = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if stops:
+            last_chars = "".join(sorted({s[-1] for s in stops if s}))
+            self.candidates[: len(tokenizer)] = torch.tensor(_tokens_containing(tokenizer, last_chars)).to(
+                device
+            )
+        self.window = max((len(s) for s in stops), default=0) + 8  # tokens of tail worth decoding
+
+    def hits(
+        self, new_tokens: torch.Tensor, rows: torch.Tensor, history: torch.Tensor, step: int
+    ) -> torch.Tensor:
+        hit = torch.zeros_like(new_tokens, dtype=torch.bool)
+        if not self.stops:
+            return hit
+        for position in self.candidates[new_tokens].nonzero().flatten().tolist():
+            tail = history[rows[position], max(0, step + 1 - self.window) : step + 1].tolist()
+            text = self.tokenizer.decode(tail)
+            hit[position] = any(s in text for s in self.stops)
+        return hit
+
+
+@torch.no_grad()
+def sample_groups(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    num_samples: int,
+    params: SamplingParams,
+) -> list[list[SampledSequence]]:
+    """`num_samples` completions for each prompt; result[i][j] is sample j of prompt i."""
+    if not prompts or num_samples < 1:
+        return [[] for _ in prompts]
+    if any(len(p) == 0 for p in prompts):
+        raise GymError("every prompt needs at least one token")
+    if params.temperature < 0:
+        raise GymError(f"temperature must be >= 0 (got {params.temperature})")
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    room = getattr(model.config, "max_position_embeddings", longest + (params.max_tokens or 0)) - longest
+    max_tokens = min(params.max_tokens or room, room)
+    if max_tokens < 1:
+        raise GymError(f"no room to sample: prompts of {longest} tokens fill the model's context")
+    stop_ids, stop_strings = _stop_lists(params.stop)
+    if tokenizer.eos_token_id is not None:
+        stop_ids = [*stop_ids, tokenizer.eos_token_id]
+    stop_ids_t = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    stop_strings_finder = _StopStrings(tokenizer, stop_strings, vocab, device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    was_training = model.training
+    model.eval()
+    try:
+        # Prefill each distinct prompt once (left-padded), then repeat its cache rows for its samples.
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(prompts), longest), pad, dtype=torch.long, device=device)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt) :] = torch.tensor(list(prompt), device=device)
+            mask[row, longest - len(prompt) :] = 1
+        cache = DynamicCache()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        )
+        cache.batch_repeat_interleave(num_samples)
+        logits = out.logits[:, -1].float().repeat_interleave(num_samples, dim=0)
+        mask = mask.repeat_interleave(num_samples, dim=0)
+        next_position = positions[:, -1:].repeat_interleave(num_samples, dim=0) + 1
+
+        total = len(prompts) * num_samples
+        tokens = torch.zeros((total, max_tokens), dtype=torch.long, device=device)
+        logprobs = torch.zeros((total, max_tokens), dtype=torch.float32, device=device)
+        lengths = torch.full((total,), max_tokens, dtype=torch.long, device=device)
+        stopped = torch.zeros(total, dtype=torch.bool, device=device)
+        rows = torch.arange(total, device=device)  # batch row → output row
+        live = torch.ones(total, dtype=torch.bool, device=device)  # finished rows ride along until pruned
+
+        for step in range(max_tokens):
+            if params.temperature == 0:
+                chosen = logits.argmax(-1)
+            else:
+                probs = _filtered_logits(logits, params).softmax(-1)
+                chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            live_rows, live_chosen = rows[live], chosen[live]
+            tokens[live_rows, step] = live_chosen
+            logprobs[live_rows, step] = (
+                logits[live].log_softmax(-1).gather(1, live_chosen[:, None]).squeeze(1)
+            )
+            done = torch.isin(live_chosen, stop_ids_t) | stop_strings_finder.hits(
+                live_chosen, live_rows, tokens, step
+            )
+            lengths[live_rows[done]] = step + 1
+            stopped[live_rows[done]] = True
+            live[live.nonzero().flatten()[done]] = False
+            if not live.any() or step == max_tokens - 1:
+                break
+            if (~live).sum() * 4 >= len(rows):
+                # Shrinking the cache copies it: worth it once a quarter of the batch has finished.
+                index = live.nonzero().flatten()
+                cache.batch_select_indices(index)
+                rows, chosen, mask, next_position = (
+                    rows[index],
+                    chosen[index],
+                    mask[index],
+                    next_position[index],
+                )
+                live = live[index]
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
+            out = model(
+                input_ids=chosen[:, None],
+                attention_mask=mask,
+                position_ids=next_position,
+                cache=cache,
+                use_cache=True,
+            )
+            next_position = next_position + 1
+            logits = out.logits[:, -1].float()
+    finally:
+        model.train(was_training)
+
+    lengths_list, stopped_list = lengths.tolist(), stopped.tolist()
+    tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
+    sequences = [
+        SampledSequence(
+            tokens=tokens_list[i][: lengths_list[i]],
+            logprobs=logprobs_list[i][: lengths_list[i]],
+            stop_reason="stop" if stopped_list[i] else "length",
+        )
+        for i in range(total)
+    ]
+    return [sequences[p * num_samples : (p + 1) * num_samples] for p in range(len(prompts))]
