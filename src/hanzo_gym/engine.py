@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hanzo_gym.errors import GymError
-from hanzo_gym.losses import LOSS_FNS, REQUIRED_INPUTS
+from hanzo_gym.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
 from hanzo_gym.token_logprobs import token_logprobs
 
 
@@ -95,7 +95,8 @@ class Engine:
         logprobs: list[torch.Tensor] = []
         # Losses are token-level sums, so pass-by-pass backwards accumulate exactly the whole batch's gradient.
         for group in self._passes(datums):
-            inputs = {key: self._concat(group, key, torch.float32) for key in REQUIRED_INPUTS[loss_fn]}
+            keys = [*REQUIRED_INPUTS[loss_fn], *(k for k in OPTIONAL_INPUTS if k in group[0].loss_fn_inputs)]
+            inputs = {key: self._concat(group, key, torch.float32) for key in keys}
             logprobs_N = self._packed_logprobs(group)
             loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
             loss.backward()
@@ -167,7 +168,10 @@ def _as_tensor(value: torch.Tensor | list, dtype: torch.dtype, length: int) -> t
 
 
 def _check_inputs(datums: list[Datum], loss_fn: str) -> None:
-    for key in ("target_tokens", *REQUIRED_INPUTS[loss_fn]):
+    # the optional inputs come as a set: all of them on every datum, or none anywhere
+    wanted = any(k in d.loss_fn_inputs for d in datums for k in OPTIONAL_INPUTS)
+    optional = OPTIONAL_INPUTS if wanted else ()
+    for key in ("target_tokens", *REQUIRED_INPUTS[loss_fn], *optional):
         missing = [i for i, d in enumerate(datums) if key not in d.loss_fn_inputs]
         if missing:
             raise GymError(f"loss_fn `{loss_fn}` needs loss_fn_inputs[`{key}`]; datum {missing[0]} has none")
