@@ -42,9 +42,11 @@ def test_token_logprobs_match_log_softmax_and_gradients():
     upstream = torch.randn(37, dtype=torch.float64)
     upstream[::3] = 0  # positions the backward pass must skip
 
-    chunked = token_logprobs(hidden, weight, targets, chunk=8)
+    chunked, entropy = token_logprobs(hidden, weight, targets, chunk=8)
     reference = (hidden @ weight.T).log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
     torch.testing.assert_close(chunked, reference.float(), rtol=1e-6, atol=1e-6)
+    log_p = (hidden @ weight.T).log_softmax(-1)
+    torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1).float().detach(), rtol=1e-5, atol=1e-5)
 
     g_hidden, g_weight = torch.autograd.grad((chunked.double() * upstream).sum(), (hidden, weight))
     r_hidden, r_weight = torch.autograd.grad((reference * upstream).sum(), (hidden, weight))
@@ -60,7 +62,7 @@ def test_chunked_cross_entropy_equals_masked_plain_cross_entropy():
     labels = targets.clone()
     labels[:20] = -100
     weights = (labels != -100).float() / (labels != -100).sum()
-    ours = -(token_logprobs(hidden, weight, targets, chunk=7) * weights).sum()
+    ours = -(token_logprobs(hidden, weight, targets, chunk=7)[0] * weights).sum()
     plain = F.cross_entropy(hidden @ weight.T, labels, ignore_index=-100)
     torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
 
@@ -164,3 +166,18 @@ def test_passes_split_by_token_budget_and_accumulate_the_same_gradient():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_reference_forward_disables_the_adapter():
+    model = _lora()
+    engine = Engine(model)
+    tokens = list(range(3, 20))
+    datum = _datum(tokens)
+    with model.disable_adapter():
+        base = _reference_logprobs(model, tokens)
+    torch.testing.assert_close(engine.forward([datum], reference=True)[0], base, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(engine.forward([datum])[0], base, atol=1e-4)
+    # and the adapter is active again afterwards
+    torch.testing.assert_close(
+        engine.forward([datum])[0], _reference_logprobs(model, tokens), rtol=1e-4, atol=1e-5
+    )

@@ -7,6 +7,7 @@ attention that never crosses a datum's boundary.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ class ForwardBackwardOutput:
     loss_sum: float
     logprobs: list[torch.Tensor]  # per datum, fp32 on CPU
     metrics: dict[str, float] = field(default_factory=dict)
+    entropies: list[torch.Tensor] = field(default_factory=list)  # per datum: entropy of each position
 
 
 class Engine:
@@ -70,15 +72,17 @@ class Engine:
     def trainable_parameter_count(self) -> int:
         return sum(p.numel() for p in self.trainable)
 
-    def forward(self, datums: list[Datum]) -> list[torch.Tensor]:
-        """Per-token log-probabilities of each datum's targets; no gradients, dropout off."""
+    def forward(self, datums: list[Datum], reference: bool = False) -> list[torch.Tensor]:
+        """Per-token log-probabilities of each datum's targets; no gradients, dropout off. `reference=True`
+        scores with the adapter disabled: the frozen base model, the reference of a KL penalty."""
         was_training = self.model.training
         self.model.eval()
         logprobs: list[torch.Tensor] = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._adapter_disabled() if reference else contextlib.nullcontext():
                 for group in self._passes(datums):
-                    logprobs.extend(self._packed_logprobs(group).cpu().split([len(d) for d in group]))
+                    logprobs_N, _ = self._packed_logprobs(group)
+                    logprobs.extend(logprobs_N.cpu().split([len(d) for d in group]))
         finally:
             self.model.train(was_training)
         return logprobs
@@ -86,23 +90,36 @@ class Engine:
     def forward_backward(
         self, datums: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
     ) -> ForwardBackwardOutput:
-        """Accumulate the gradient of the summed loss into the adapter; return the loss sum and logprobs."""
+        """Accumulate the gradient of the summed loss into the adapter; return the loss sum, logprobs and the
+        policy's per-token entropies."""
         if loss_fn not in LOSS_FNS:
             raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
         _check_inputs(datums, loss_fn)
         self.model.train()
         loss_sum = 0.0
         logprobs: list[torch.Tensor] = []
+        entropies: list[torch.Tensor] = []
         # Losses are token-level sums, so pass-by-pass backwards accumulate exactly the whole batch's gradient.
         for group in self._passes(datums):
             keys = [*REQUIRED_INPUTS[loss_fn], *(k for k in OPTIONAL_INPUTS if k in group[0].loss_fn_inputs)]
             inputs = {key: self._concat(group, key, torch.float32) for key in keys}
-            logprobs_N = self._packed_logprobs(group)
+            logprobs_N, entropy_N = self._packed_logprobs(group)
             loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
             loss.backward()
             loss_sum += loss.item()
-            logprobs.extend(logprobs_N.detach().cpu().split([len(d) for d in group]))
-        return ForwardBackwardOutput(loss_sum=loss_sum, logprobs=logprobs, metrics={"loss:sum": loss_sum})
+            lengths = [len(d) for d in group]
+            logprobs.extend(logprobs_N.detach().cpu().split(lengths))
+            entropies.extend(entropy_N.cpu().split(lengths))
+        return ForwardBackwardOutput(
+            loss_sum=loss_sum, logprobs=logprobs, metrics={"loss:sum": loss_sum}, entropies=entropies
+        )
+
+    def _adapter_disabled(self) -> contextlib.AbstractContextManager:
+        if not hasattr(self.model, "disable_adapter"):
+            raise GymError(
+                "reference log-probabilities need a LoRA model (the adapter is what gets disabled)"
+            )
+        return self.model.disable_adapter()
 
     def _passes(self, datums: list[Datum]) -> list[list[Datum]]:
         """Consecutive groups of at most `max_tokens_per_pass` tokens (a longer datum goes alone), so that
@@ -122,7 +139,7 @@ class Engine:
     def _concat(self, datums: list[Datum], key: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.cat([_as_tensor(d.loss_fn_inputs[key], dtype, len(d)) for d in datums]).to(self.device)
 
-    def _packed_logprobs(self, datums: list[Datum]) -> torch.Tensor:
+    def _packed_logprobs(self, datums: list[Datum]) -> tuple[torch.Tensor, torch.Tensor]:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
         blocks that never cross datums (it infers them only when no cache is passed)."""
         tokens = torch.tensor([t for d in datums for t in d.model_input], device=self.device)

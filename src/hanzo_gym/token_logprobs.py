@@ -18,18 +18,23 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         n = hidden_NH.shape[0]
         logprobs_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
         logsumexp_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
+        entropy_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = (hidden_NH[start:end] @ weight_VH.T).float()
-            logsumexp_N[start:end] = torch.logsumexp(logits, dim=-1)
+            lse = torch.logsumexp(logits, dim=-1)
+            logsumexp_N[start:end] = lse
             picked = logits.gather(1, targets_N[start:end, None]).squeeze(1)
-            logprobs_N[start:end] = picked - logsumexp_N[start:end]
+            logprobs_N[start:end] = picked - lse
+            # H = lse − Σ p·logits
+            entropy_N[start:end] = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, logsumexp_N)
         ctx.chunk = chunk
-        return logprobs_N
+        ctx.mark_non_differentiable(entropy_N)
+        return logprobs_N, entropy_N
 
     @staticmethod
-    def backward(ctx, grad_N):
+    def backward(ctx, grad_N, _grad_entropy):
         hidden_NH, weight_VH, targets_N, logsumexp_N = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden_NH) if need_hidden else None
@@ -58,6 +63,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 def token_logprobs(
     hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int = DEFAULT_CHUNK
-) -> torch.Tensor:
-    """log softmax(hidden @ weightᵀ)[target] per position, in fp32, differentiable w.r.t. hidden and weight."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(hidden @ weightᵀ)[target] per position in fp32 (differentiable w.r.t. hidden and weight),
+    and the entropy of each position's distribution (not differentiable)."""
     return _ChunkedTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk)
