@@ -8,13 +8,15 @@ attention that never crosses a datum's boundary.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.errors import GymError
 from hanzo_gym.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
+from hanzo_gym.sampling import SampledSequence, SamplingParams, sample_groups
 from hanzo_gym.token_logprobs import token_logprobs
 
 
@@ -51,9 +53,14 @@ class ForwardBackwardOutput:
 
 class Engine:
     def __init__(
-        self, model: PreTrainedModel, max_tokens_per_pass: int | None = None, logprob_chunk: int = 1024
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        max_tokens_per_pass: int | None = None,
+        logprob_chunk: int = 1024,
     ):
         self.model = model
+        self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_tokens_per_pass = max_tokens_per_pass or default_tokens_per_pass(self.device)
         self.logprob_chunk = logprob_chunk
@@ -113,6 +120,14 @@ class Engine:
         return ForwardBackwardOutput(
             loss_sum=loss_sum, logprobs=logprobs, metrics={"loss:sum": loss_sum}, entropies=entropies
         )
+
+    def sample(
+        self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
+    ) -> list[list[SampledSequence]]:
+        """`num_samples` completions per prompt from the current policy (adapter on, dropout off)."""
+        if self.tokenizer is None:
+            raise GymError("sampling needs the engine's tokenizer (for EOS and stop strings)")
+        return sample_groups(self.model, self.tokenizer, prompts, num_samples, params)
 
     def _adapter_disabled(self) -> contextlib.AbstractContextManager:
         if not hasattr(self.model, "disable_adapter"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
 from hanzo_gym.data.dataset import load_examples
@@ -23,7 +24,9 @@ def pick_device_and_dtype(bf16: str | bool) -> tuple[torch.device, torch.dtype]:
     return device, torch.bfloat16 if use_bf16 else torch.float32
 
 
-def build_engine(cfg: Config, device: torch.device, dtype: torch.dtype) -> Engine:
+def build_engine(
+    cfg: Config, device: torch.device, dtype: torch.dtype, tokenizer: PreTrainedTokenizerBase | None = None
+) -> Engine:
     model = load_causal_lm(cfg.base_model, dtype).to(device)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with a frozen base (no input that requires grad).
@@ -34,7 +37,7 @@ def build_engine(cfg: Config, device: torch.device, dtype: torch.dtype) -> Engin
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = "all-linear" if cfg.lora_target_linear else cfg.lora_target_modules
     peft_model = attach_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, cfg.base_model)
-    return Engine(peft_model)
+    return Engine(peft_model, tokenizer)
 
 
 def resume_point(cfg: Config, run: RunDir) -> Path | None:
@@ -60,7 +63,7 @@ def run_training(cfg: Config) -> SftResult:
     data = load_examples(cfg, tokenizer)
     if not data.train:
         raise GymError("no training examples left after tokenization: see `gym preprocess` for the counts")
-    engine = build_engine(cfg, device, dtype)
+    engine = build_engine(cfg, device, dtype, tokenizer)
     run = RunDir(cfg.output_dir)
     run.write_config(cfg.model_dump(mode="json"))
     print(
