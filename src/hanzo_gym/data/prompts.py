@@ -1,0 +1,90 @@
+"""RL prompts from the same datasets and strategies as SFT: what the model is asked, and the reference answer
+the rewards compare against."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from hanzo_gym.config import Config, DatasetConfig
+from hanzo_gym.data.chat_templates import render_chat, resolve_chat_template
+from hanzo_gym.data.dataset import validation_count
+from hanzo_gym.data.sources import Row, read_rows
+from hanzo_gym.data.strategies import chat_messages
+from hanzo_gym.errors import DataError
+
+
+@dataclass
+class Prompt:
+    tokens: list[int]
+    text: str
+    answer: str | None
+
+
+@dataclass
+class LoadedPrompts:
+    train: list[Prompt]
+    val: list[Prompt]
+    dropped: int  # longer than sequence_len
+
+
+def _row_answer(row: Row) -> str | None:
+    for key in ("answer", "solution"):
+        if isinstance(row.data.get(key), str):
+            return row.data[key]
+    return None
+
+
+def _required(row: Row, key: str, setting: str) -> str:
+    value = row.data.get(key)
+    if not isinstance(value, str):
+        raise DataError(f"{row.file} row {row.line}: row has no `{key}` string ({setting} = `{key}`)")
+    return value
+
+
+def prompt_from_row(
+    row: Row, ds: DatasetConfig, tokenizer: PreTrainedTokenizerBase, template: str | None
+) -> Prompt:
+    """chat_template: the turns before the last assistant turn, opened for a new assistant turn, with that
+    turn's content as the answer (no assistant turn: all turns, answer from the row's `answer`/`solution`);
+    alpaca: the instruction (and input) as one user turn, answer = output; completion: the text itself."""
+    if ds.type == "completion":
+        text = _required(row, ds.field, "field")
+        return Prompt(tokenizer.encode(text, add_special_tokens=True), text, _row_answer(row))
+    if ds.type == "alpaca":
+        instruction = _required(row, ds.field_instruction, "field_instruction")
+        extra = row.data.get(ds.field_input)
+        content = f"{instruction}\n\n{extra}" if isinstance(extra, str) and extra else instruction
+        messages, answer = [{"role": "user", "content": content}], row.data.get(ds.field_output)
+    else:
+        messages = chat_messages(row, ds)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None:
+            answer = _row_answer(row)
+        else:
+            messages, answer = messages[:last], messages[last]["content"]
+    if template is None:
+        raise DataError(f"{row.file}: {ds.type} prompts need a chat template")
+    text = render_chat(tokenizer, messages, template, add_generation_prompt=True)
+    return Prompt(
+        tokenizer.encode(text, add_special_tokens=False), text, answer if isinstance(answer, str) else None
+    )
+
+
+def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPrompts:
+    needs_template = any(ds.type != "completion" for ds in cfg.datasets)
+    template = resolve_chat_template(cfg.chat_template, tokenizer) if needs_template else None
+    prompts: list[Prompt] = []
+    dropped = 0
+    for ds in cfg.datasets:
+        for row in read_rows(ds.path, split=ds.split, data_files=ds.data_files):
+            prompt = prompt_from_row(row, ds, tokenizer, template)
+            if len(prompt.tokens) > cfg.sequence_len:
+                dropped += 1  # a cut prompt would ask a different question: drop it
+                continue
+            prompts.append(prompt)
+    random.Random(cfg.seed).shuffle(prompts)
+    train_count = len(prompts) - validation_count(cfg.val_set_size, len(prompts))
+    return LoadedPrompts(train=prompts[:train_count], val=prompts[train_count:], dropped=dropped)
