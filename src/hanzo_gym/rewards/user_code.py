@@ -1,0 +1,68 @@
+"""`python:module:function`: a reward written by the user.
+
+Contract: `function(completions: list[Completion]) -> list[float]`, called once per batch with every
+completion of the step (so it can batch its own work), returning one finite number per completion in the
+same order. `module` is imported like any Python module (dotted names allowed); when it is not importable
+from sys.path, the current directory is tried too, as TRL and Axolotl import reward modules relative to it.
+The function may do I/O: it runs on a thread beside the other rewards.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+from hanzo_gym.errors import ConfigError
+from hanzo_gym.rewards.base import Completion, RewardFunction, checked_scores
+
+
+def _import(spec: str, module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing_here = e.name is not None and module_name.split(".")[0] == e.name.split(".")[0]
+        if not missing_here or os.getcwd() in sys.path:
+            raise ConfigError(
+                f'reward function "{spec}": cannot import module {module_name!r}: {e}'
+            ) from None
+    sys.path.append(os.getcwd())  # stays, so the module's own imports of its neighbours work at call time
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ConfigError(
+            f'reward function "{spec}": cannot import module {module_name!r} from sys.path or the current '
+            f"directory ({os.getcwd()}): {e}"
+        ) from None
+
+
+class PythonReward(RewardFunction):
+    does_io = True
+
+    def __init__(self, spec: str, target: str):
+        module_name, _, function_name = target.rpartition(":")
+        if not module_name or not function_name:
+            raise ConfigError(f'reward function "{spec}": expected python:<module>:<function>')
+        self.name = spec
+        try:
+            module = _import(spec, module_name)
+        except ConfigError:
+            raise
+        except Exception as e:  # the module itself raised while importing: show what, not a traceback
+            raise ConfigError(
+                f'reward function "{spec}": importing {module_name!r} raised {type(e).__name__}: {e}'
+            ) from e
+        function = getattr(module, function_name, None)
+        if not callable(function):
+            found = "not defined" if function is None else f"a {type(function).__name__}, not callable"
+            raise ConfigError(f'reward function "{spec}": {module_name}.{function_name} is {found}')
+        self._function: Callable[[list[Completion]], list[float]] = function
+
+    def __call__(self, completions: list[Completion]) -> list[float]:
+        try:
+            scores = self._function(completions)
+        except Exception as e:
+            e.add_note(f"raised by the reward function {self.name}")  # keep the user's traceback visible
+            raise
+        return checked_scores(self.name, scores, len(completions))
