@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hanzo_gym.errors import ConfigError, DataError
+from hanzo_gym.errors import ConfigError, DataError, GymError
 from hanzo_gym.yaml_source import load_yaml_file
 
 LORA_LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -58,13 +58,41 @@ class DatasetConfig(_Strict):
 
 
 class TrlConfig(_Strict):
+    """GRPO settings under TRL's names (plus Tinker's `loss_fn` and `remove_constant_reward_groups`)."""
+
     num_generations: int = Field(4, ge=2)
     max_completion_length: int = Field(256, ge=1)
     beta: float = Field(0.0, ge=0)
     temperature: float = Field(1.0, gt=0)
-    scale_rewards: bool = True
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    scale_rewards: Literal["group", "batch", "none", True, False] = True
     reward_funcs: list[str] = []
     reward_weights: list[float] = []
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    loss_fn: Literal["ppo", "importance_sampling", "cispo", "dro"] = "ppo"
+    epsilon: float = Field(0.2, gt=0)
+    epsilon_high: float | None = Field(None, gt=0)
+    num_iterations: int = Field(1, ge=1)
+    mask_truncated_completions: bool = False
+    remove_constant_reward_groups: bool = False
+
+    @property
+    def reward_scaling(self) -> str:
+        """`scale_rewards` with TRL's boolean aliases resolved: true → group, false → none."""
+        return {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+
+    @field_validator("reward_funcs")
+    @classmethod
+    def _rewards_parse(cls, specs: list[str]) -> list[str]:
+        from hanzo_gym.rewards import parse_reward
+
+        for spec in specs:
+            try:
+                parse_reward(spec)
+            except GymError as exc:
+                raise ValueError(str(exc)) from None
+        return specs
 
 
 class Config(_Strict):
@@ -241,15 +269,10 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
         raise ConfigError(f"{source}: expected a mapping of config keys at the top level")
     _reject_not_yet(data, source, lines)
     try:
-        cfg = Config.model_validate(data)
+        return Config.model_validate(data)
     except ValidationError as exc:
         errors = sorted(exc.errors(), key=lambda e: _line_of(lines, e["loc"]) or 0)
         raise ConfigError("\n".join(_describe(error, source, lines) for error in errors)) from None
-    if cfg.rl == "grpo":
-        raise ConfigError(
-            f"{source}:{_line_of(lines, ('rl',))}: rl: grpo is not available in this version yet (SFT only)"
-        )
-    return cfg
 
 
 def load_config(path: str | Path) -> Config:

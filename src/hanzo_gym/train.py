@@ -9,8 +9,10 @@ from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
 from hanzo_gym.data.dataset import load_examples
+from hanzo_gym.data.prompts import load_prompts
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError
+from hanzo_gym.grpo import GrpoResult, train_grpo
 from hanzo_gym.model.hub import load_causal_lm, load_tokenizer
 from hanzo_gym.model.lora import attach_lora, save_adapter
 from hanzo_gym.rundir import RunDir, publish_files_into
@@ -57,22 +59,28 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
     return path
 
 
-def run_training(cfg: Config) -> SftResult:
+def run_training(cfg: Config) -> SftResult | GrpoResult:
     device, dtype = pick_device_and_dtype(cfg.bf16)
     tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config)
-    data = load_examples(cfg, tokenizer)
+    if cfg.rl == "grpo":
+        data = load_prompts(cfg, tokenizer)
+        what = "prompts"
+    else:
+        data = load_examples(cfg, tokenizer)
+        what = "examples"
     if not data.train:
-        raise GymError("no training examples left after tokenization: see `gym preprocess` for the counts")
+        raise GymError(f"no training {what} left after tokenization: see `gym preprocess` for the counts")
     engine = build_engine(cfg, device, dtype, tokenizer)
     run = RunDir(cfg.output_dir)
     run.write_config(cfg.model_dump(mode="json"))
     print(
-        f"train {len(data.train)} examples, val {len(data.val)}, trainable parameters "
+        f"train {len(data.train)} {what}, val {len(data.val)}, trainable parameters "
         f"{engine.trainable_parameter_count:,}, device {device.type}, dtype {str(dtype).removeprefix('torch.')}",
         flush=True,
     )
     torch.manual_seed(cfg.seed)
-    result = train_sft(engine, cfg, data.train, data.val, run, resume_from=resume_point(cfg, run))
+    loop = train_grpo if cfg.rl == "grpo" else train_sft
+    result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_point(cfg, run))
 
     def final(directory: Path) -> None:
         save_adapter(engine.model, directory)

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config, DatasetConfig
-from hanzo_gym.data.chat_templates import render_chat, resolve_chat_template
+from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.dataset import validation_count
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import chat_messages
 from hanzo_gym.errors import DataError
+from hanzo_gym.renderers import Renderer
 
 
 @dataclass
@@ -45,7 +46,7 @@ def _required(row: Row, key: str, setting: str) -> str:
 
 
 def prompt_from_row(
-    row: Row, ds: DatasetConfig, tokenizer: PreTrainedTokenizerBase, template: str | None
+    row: Row, ds: DatasetConfig, tokenizer: PreTrainedTokenizerBase, renderer: Renderer | None
 ) -> Prompt:
     """chat_template: the turns before the last assistant turn, opened for a new assistant turn, with that
     turn's content as the answer (no assistant turn: all turns, answer from the row's `answer`/`solution`);
@@ -65,22 +66,20 @@ def prompt_from_row(
             answer = _row_answer(row)
         else:
             messages, answer = messages[:last], messages[last]["content"]
-    if template is None:
+    if renderer is None:
         raise DataError(f"{row.file}: {ds.type} prompts need a chat template")
-    text = render_chat(tokenizer, messages, template, add_generation_prompt=True)
-    return Prompt(
-        tokenizer.encode(text, add_special_tokens=False), text, answer if isinstance(answer, str) else None
-    )
+    tokens = renderer.build_generation_prompt(messages).to_ints()
+    return Prompt(tokens, tokenizer.decode(tokens), answer if isinstance(answer, str) else None)
 
 
 def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPrompts:
     needs_template = any(ds.type != "completion" for ds in cfg.datasets)
-    template = resolve_chat_template(cfg.chat_template, tokenizer) if needs_template else None
+    renderer = resolve_renderer(cfg.chat_template, tokenizer) if needs_template else None
     prompts: list[Prompt] = []
     dropped = 0
     for ds in cfg.datasets:
         for row in read_rows(ds.path, split=ds.split, data_files=ds.data_files):
-            prompt = prompt_from_row(row, ds, tokenizer, template)
+            prompt = prompt_from_row(row, ds, tokenizer, renderer)
             if len(prompt.tokens) > cfg.sequence_len:
                 dropped += 1  # a cut prompt would ask a different question: drop it
                 continue

@@ -1,0 +1,283 @@
+"""The GRPO loop: sample a group of completions per prompt, score them, turn group-relative advantages into
+datums, and train with one of the engine's RL losses. A plain function over the engine's primitives."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from hanzo_gym.checkpoint import TrainerPosition, read_checkpoint, write_checkpoint
+from hanzo_gym.config import Config
+from hanzo_gym.data.batching import epoch_order
+from hanzo_gym.data.prompts import Prompt
+from hanzo_gym.engine import AdamParams, Engine
+from hanzo_gym.rewards import Completion, RewardFunction, parse_reward, score_completions
+from hanzo_gym.rl_math import (
+    group_advantages,
+    is_constant,
+    k3,
+    loss_type_weights,
+    mean,
+    rl_datum,
+    sample_train_metrics,
+)
+from hanzo_gym.rundir import RunDir
+from hanzo_gym.sampling import SamplingParams
+from hanzo_gym.schedule import lr_at
+
+
+@dataclass
+class GrpoResult:
+    steps: int
+    last_eval: dict[str, float] | None
+
+
+def _loss_config(cfg: Config) -> dict[str, float]:
+    trl = cfg.trl
+    high = trl.epsilon_high if trl.epsilon_high is not None else trl.epsilon
+    if trl.loss_fn == "ppo":
+        return {"clip_low_threshold": 1 - trl.epsilon, "clip_high_threshold": 1 + high}
+    if trl.loss_fn == "cispo" and trl.epsilon_high is not None:
+        return {"clip_low_threshold": 0.0, "clip_high_threshold": trl.epsilon_high}
+    return {}
+
+
+def _sampling(cfg: Config, seed: int, greedy: bool = False) -> SamplingParams:
+    trl = cfg.trl
+    return SamplingParams(
+        max_tokens=trl.max_completion_length,
+        seed=seed,
+        temperature=0.0 if greedy else trl.temperature,
+        top_p=trl.top_p,
+        top_k=trl.top_k,
+    )
+
+
+def _completions(engine: Engine, prompts: list[Prompt], groups: list) -> list[list[Completion]]:
+    decode = engine.tokenizer.decode
+    return [
+        [
+            Completion(
+                prompt=prompt.text,
+                text=decode(s.tokens, skip_special_tokens=True),
+                answer=prompt.answer,
+                num_tokens=len(s.tokens),
+            )
+            for s in group
+        ]
+        for prompt, group in zip(prompts, groups)
+    ]
+
+
+def evaluate_rewards(
+    engine: Engine, prompts: list[Prompt], reward_fns: list[RewardFunction], cfg: Config
+) -> dict[str, float]:
+    """Greedy completions of held-out prompts: mean reward, and accuracy = the share whose reward is > 0."""
+    rewards: list[float] = []
+    for start in range(0, len(prompts), 64):
+        batch = prompts[start : start + 64]
+        groups = engine.sample([p.tokens for p in batch], 1, _sampling(cfg, cfg.seed, greedy=True))
+        flat = [c for group in _completions(engine, batch, groups) for c in group]
+        totals, _ = score_completions(reward_fns, cfg.trl.reward_weights or None, flat)
+        rewards += totals
+    return {"eval/reward": mean(rewards), "eval/accuracy": mean([1.0 if r > 0 else 0.0 for r in rewards])}
+
+
+def train_grpo(
+    engine: Engine,
+    cfg: Config,
+    train: list[Prompt],
+    val: list[Prompt],
+    run: RunDir,
+    resume_from: Path | None = None,
+) -> GrpoResult:
+    trl = cfg.trl
+    reward_fns = [parse_reward(spec) for spec in trl.reward_funcs]
+    weights = trl.reward_weights or None
+    per_epoch = -(-len(train) // cfg.micro_batch_size)
+    total = (
+        cfg.num_epochs * per_epoch
+        if cfg.max_steps is None
+        else min(cfg.max_steps, cfg.num_epochs * per_epoch)
+    )
+    warmup = cfg.warmup(total)
+    plan = {"train_prompts": len(train), "seed": cfg.seed, "micro_batch_size": cfg.micro_batch_size}
+    position = TrainerPosition(step=0, epoch=0, window=0, plan=plan)
+    if resume_from is not None:
+        position = read_checkpoint(resume_from, engine, plan)
+        run.forget_after(position.step)
+        print(f"resumed from {resume_from} at step {position.step}", flush=True)
+
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=total, initial=position.step, disable=not interactive, unit="step", dynamic_ncols=True)
+    say = bar.write if interactive else (lambda text: print(text, flush=True))
+    started = time.perf_counter()
+    step = position.step
+    last_eval = None
+
+    def run_eval() -> dict[str, float]:
+        result = evaluate_rewards(engine, val, reward_fns, cfg)
+        run.log({"step": step, **result, "elapsed_s": time.perf_counter() - started})
+        say(
+            f"eval step {step} eval/reward {result['eval/reward']:.4f} eval/accuracy {result['eval/accuracy']:.3f}"
+        )
+        return result
+
+    if val and step == 0:
+        last_eval = run_eval()
+
+    for epoch in range(position.epoch, cfg.num_epochs):
+        order = epoch_order(len(train), cfg.seed, epoch)
+        first = position.window if epoch == position.epoch else 0
+        for index in range(first, per_epoch):
+            if step >= total:
+                break
+            prompts = [
+                train[i] for i in order[index * cfg.micro_batch_size : (index + 1) * cfg.micro_batch_size]
+            ]
+            clock = time.perf_counter()
+            groups = engine.sample(
+                [p.tokens for p in prompts], trl.num_generations, _sampling(cfg, cfg.seed * 1_000_003 + step)
+            )
+            sample_seconds = time.perf_counter() - clock
+            clock = time.perf_counter()
+            completions = _completions(engine, prompts, groups)
+            flat = [c for group in completions for c in group]
+            totals, per_function = score_completions(reward_fns, weights, flat)
+            rewards_G = [
+                totals[g * trl.num_generations : (g + 1) * trl.num_generations] for g in range(len(prompts))
+            ]
+            advantages_G = group_advantages(rewards_G, trl.reward_scaling)
+
+            # Which completions train: not from a constant group (when asked), not truncated (when asked).
+            samples = [s for group in groups for s in group]
+            advantages = [a for group in advantages_G for a in group]
+            keep = [True] * len(samples)
+            for g, group_rewards in enumerate(rewards_G):
+                if trl.remove_constant_reward_groups and is_constant(group_rewards):
+                    for i in range(g * trl.num_generations, (g + 1) * trl.num_generations):
+                        keep[i] = False
+            if trl.mask_truncated_completions:
+                keep = [k and s.stop_reason == "stop" for k, s in zip(keep, samples)]
+            lengths = [len(s.tokens) if k else 0 for s, k in zip(samples, keep)]
+            token_weights = loss_type_weights(lengths, trl.loss_type, trl.max_completion_length)
+            prompt_of = [prompts[i // trl.num_generations] for i in range(len(samples))]
+            chosen = [i for i, k in enumerate(keep) if k and samples[i].tokens]
+            datums = [
+                rl_datum(
+                    prompt_of[i].tokens,
+                    samples[i].tokens,
+                    samples[i].logprobs,
+                    advantages[i] * token_weights[i],
+                )
+                for i in chosen
+            ]
+            if trl.beta > 0 and datums:
+                for i, datum, ref in zip(chosen, datums, engine.forward(datums, reference=True)):
+                    datum.loss_fn_inputs["ref_logprobs"] = ref
+                    datum.loss_fn_inputs["kl_weights"] = [0.0] * (len(datum) - len(samples[i].tokens)) + [
+                        trl.beta * token_weights[i]
+                    ] * len(samples[i].tokens)
+
+            lr = lr_at(step, total, cfg.learning_rate, warmup, cfg.lr_scheduler)
+            adam = AdamParams(
+                learning_rate=lr,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=cfg.weight_decay,
+                grad_clip_norm=cfg.max_grad_norm,
+            )
+            row: dict[str, float] = {}
+            has_signal = any(advantages[i] != 0 for i in chosen) or (trl.beta > 0 and bool(datums))
+            for iteration in range(trl.num_iterations if has_signal else 0):
+                out = engine.forward_backward(datums, trl.loss_fn, _loss_config(cfg))
+                stats = engine.optim_step(adam)
+                if iteration == 0:
+                    row.update(_train_metrics(out, datums, chosen, samples, advantages, trl, cfg))
+                    row["loss"] = out.loss_sum
+                    row["grad_norm"] = stats["grad_norm"]
+            step += 1
+            bar.update(1)
+            train_seconds = time.perf_counter() - clock
+
+            row = {
+                "step": step,
+                "epoch": round(epoch + (index + 1) / per_epoch, 4),
+                "lr": lr,
+                "loss": 0.0,
+                "grad_norm": 0.0,
+                **row,
+                **_reward_metrics(rewards_G, per_function, samples),
+                "time/sample": sample_seconds,
+                "time/train": train_seconds,
+                "elapsed_s": time.perf_counter() - started,
+            }
+            if step % cfg.logging_steps == 0 or step == total:
+                run.log(row)
+                say(
+                    f"step {step}/{total} reward {row['reward']:.4f} reward_std {row['reward_std']:.4f} "
+                    f"length {row['completions/mean_length']:.1f} loss {row['loss']:.4f} "
+                    f"sample {sample_seconds:.1f}s train {train_seconds:.1f}s"
+                )
+            end_of_epoch = index == per_epoch - 1
+            if val and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == total):
+                last_eval = run_eval()
+            if cfg.save_steps and step % cfg.save_steps == 0:
+                following = (epoch, index + 1) if not end_of_epoch else (epoch + 1, 0)
+                mark = TrainerPosition(step=step, epoch=following[0], window=following[1], plan=plan)
+                path = run.save_checkpoint(
+                    step, row["epoch"], lambda d, mark=mark: write_checkpoint(d, engine, mark)
+                )
+                say(f"saved {path}")
+        if step >= total:
+            break
+    bar.close()
+    return GrpoResult(steps=step, last_eval=last_eval)
+
+
+def _reward_metrics(
+    rewards_G: list[list[float]], per_function: dict[str, list[float]], samples: list
+) -> dict:
+    flat = [r for group in rewards_G for r in group]
+    lengths = [len(s.tokens) for s in samples]
+    zero_std = [is_constant(group) for group in rewards_G for _ in group]
+    return {
+        "reward": mean(flat),
+        "reward_std": statistics.stdev(flat) if len(flat) > 1 else 0.0,
+        "frac_reward_zero_std": mean([1.0 if z else 0.0 for z in zero_std]),
+        **{f"rewards/{name}/mean": mean(scores) for name, scores in per_function.items()},
+        "completions/mean_length": mean(lengths),
+        "completions/clipped_ratio": mean([1.0 if s.stop_reason == "length" else 0.0 for s in samples]),
+        "ac_tokens_per_turn": mean(lengths),
+    }
+
+
+def _train_metrics(out, datums, chosen, samples, advantages, trl, cfg) -> dict[str, float]:
+    sampled, trained, entropies, kls = [], [], [], []
+    for datum, i, logprobs, entropy in zip(datums, chosen, out.logprobs, out.entropies):
+        n = len(samples[i].tokens)
+        sampled.append(torch.tensor(samples[i].logprobs))
+        trained.append(logprobs[-n:])
+        entropies.append(entropy[-n:])
+        if trl.beta > 0:
+            reference = torch.as_tensor(datum.loss_fn_inputs["ref_logprobs"])[-n:]
+            kls.append(k3(logprobs[-n:], reference))
+    config = _loss_config(cfg)
+    metrics = sample_train_metrics(
+        sampled,
+        trained,
+        [advantages[i] for i in chosen],
+        config.get("clip_low_threshold", 1 - trl.epsilon),
+        config.get("clip_high_threshold", 1 + trl.epsilon),
+    )
+    metrics["entropy"] = torch.cat(entropies).mean().item() if entropies else 0.0
+    if kls:
+        metrics["kl"] = torch.cat(kls).mean().item()
+    return metrics
