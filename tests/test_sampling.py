@@ -9,8 +9,12 @@ from hanzo_gym.sampling import SamplingParams, sample_groups
 
 @pytest.fixture(params=["llama", "qwen3"])
 def policy(request, word_tokenizer):
-    model = tiny_model(request.param, vocab_size=len(word_tokenizer), eos_token_id=word_tokenizer.eos_token_id)
-    peft_model = attach_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear", base_model_name="t")
+    model = tiny_model(
+        request.param, vocab_size=len(word_tokenizer), eos_token_id=word_tokenizer.eos_token_id
+    )
+    peft_model = attach_lora(
+        model, r=4, alpha=8, dropout=0.0, target_modules="all-linear", base_model_name="t"
+    )
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -91,12 +95,16 @@ def test_top_p_keeps_the_nucleus(policy, word_tokenizer):
     ranked = torch.argsort(probs, descending=True)
     covered = probs[ranked].cumsum(0)
     nucleus = set(ranked[: int((covered < 0.5).sum()) + 1].tolist())
-    [group] = sample_groups(policy, word_tokenizer, [prompt], 500, SamplingParams(max_tokens=1, top_p=0.5, seed=3))
+    [group] = sample_groups(
+        policy, word_tokenizer, [prompt], 500, SamplingParams(max_tokens=1, top_p=0.5, seed=3)
+    )
     assert {s.tokens[0] for s in group} <= nucleus
 
 
 def test_stops_by_token_id_and_by_string_include_the_stop(policy, word_tokenizer):
-    [[greedy]] = sample_groups(policy, word_tokenizer, [PROMPTS[1]], 1, SamplingParams(max_tokens=10, temperature=0))
+    [[greedy]] = sample_groups(
+        policy, word_tokenizer, [PROMPTS[1]], 1, SamplingParams(max_tokens=10, temperature=0)
+    )
     assert greedy.stop_reason == "length" and len(greedy.tokens) == 10
     target = greedy.tokens[4]
     cut = greedy.tokens.index(target) + 1

@@ -1,7 +1,6 @@
 import pytest
 
 from hanzo_gym.config import DatasetConfig
-from hanzo_gym.data.chat_templates import LLAMA3, QWEN3
 from hanzo_gym.data.example import IGNORE_INDEX
 from hanzo_gym.data.sources import Row
 from hanzo_gym.data.strategies import (
@@ -11,6 +10,7 @@ from hanzo_gym.data.strategies import (
     row_to_example,
 )
 from hanzo_gym.errors import ConfigError, DataError
+from hanzo_gym.renderers.jinja import end_of_turn_ids
 
 
 def dataset(type_: str = "chat_template", **keys) -> DatasetConfig:
@@ -143,7 +143,7 @@ REASONING_CONVERSATIONS = {
 @pytest.mark.parametrize("template", ["tokenizer", "builtin"])
 @pytest.mark.parametrize("name", list(REASONING_CONVERSATIONS))
 def test_qwen3_multi_turn_with_reasoning_labels_what_the_template_renders(qwen3_tokenizer, name, template):
-    chat_template = qwen3_tokenizer.chat_template if template == "tokenizer" else QWEN3
+    chat_template = qwen3_tokenizer.chat_template if template == "tokenizer" else "qwen3"
     ctx = StrategyContext(qwen3_tokenizer, chat_template=chat_template)
     messages = REASONING_CONVERSATIONS[name]
 
@@ -208,7 +208,7 @@ LLAMA_TURNS = [
     ],
 )
 def test_llama3_labels_end_with_eot_not_eos(llama32_tokenizer, train_on_eos, expected):
-    ctx = StrategyContext(llama32_tokenizer, chat_template=LLAMA3)
+    ctx = StrategyContext(llama32_tokenizer, chat_template="llama3")
     example = row_to_example(row({"messages": LLAMA_TURNS}), dataset(train_on_eos=train_on_eos), ctx)
     assert labelled_texts(llama32_tokenizer, example) == expected
     assert example.input_ids[0] == llama32_tokenizer.bos_token_id
@@ -216,7 +216,7 @@ def test_llama3_labels_end_with_eot_not_eos(llama32_tokenizer, train_on_eos, exp
 
 
 def test_llama3_train_on_inputs_labels_every_turn(llama32_tokenizer):
-    ctx = StrategyContext(llama32_tokenizer, train_on_inputs=True, chat_template=LLAMA3)
+    ctx = StrategyContext(llama32_tokenizer, train_on_inputs=True, chat_template="llama3")
     example = row_to_example(row({"messages": LLAMA_TURNS}), dataset(), ctx)
     assert labelled_texts(llama32_tokenizer, example) == [
         "Be good.<|eot_id|>",
@@ -407,7 +407,7 @@ def test_completion_on_llama_has_bos_and_a_single_eos(llama32_tokenizer):
     assert example.input_ids[0] == llama32_tokenizer.bos_token_id
     assert example.input_ids[-1] == llama32_tokenizer.eos_token_id
     assert example.input_ids.count(llama32_tokenizer.eos_token_id) == 1
-    assert example.trained_tokens == len(example)
+    assert example.trained_tokens == len(example) - 1  # all labelled; position 0 is never a target
 
 
 def test_completion_missing_field(qwen3_tokenizer):
@@ -427,9 +427,9 @@ def test_tokenizer_without_eos_is_a_config_error(word_tokenizer):
 
 
 def test_end_of_turn_ids_only_include_tokens_in_the_vocabulary(llama32_tokenizer, qwen3_tokenizer):
-    llama_ids = StrategyContext(llama32_tokenizer).end_of_turn_ids
+    llama_ids = end_of_turn_ids(llama32_tokenizer)
     ids_of = llama32_tokenizer.convert_tokens_to_ids
     assert {ids_of("<|eot_id|>"), ids_of("<|eom_id|>"), llama32_tokenizer.eos_token_id} <= llama_ids
     assert None not in llama_ids and len(llama_ids) == 3
-    qwen_ids = StrategyContext(qwen3_tokenizer).end_of_turn_ids
+    qwen_ids = end_of_turn_ids(qwen3_tokenizer)
     assert qwen_ids == {qwen3_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}

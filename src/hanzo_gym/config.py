@@ -142,6 +142,14 @@ class Config(_Strict):
             )
         if not (self.lora_target_linear or self.lora_target_modules):
             raise ValueError("lora needs `lora_target_modules` or `lora_target_linear: true`")
+        untrainable = sorted(set(self.lora_target_modules) & {"lm_head", "embed_tokens", "wte", "embed_out"})
+        if untrainable:
+            raise ValueError(
+                f"lora_target_modules {untrainable}: LoRA on the embedding or output layer is not supported "
+                "(vLLM refuses such adapters); adapt the attention and MLP projections"
+            )
+        if isinstance(self.resume_from_checkpoint, str) and not Path(self.resume_from_checkpoint).is_dir():
+            raise ValueError(f"resume_from_checkpoint: {self.resume_from_checkpoint} is not a directory")
         if self.rl == "grpo":
             if not self.trl.reward_funcs:
                 raise ValueError("rl: grpo needs `trl.reward_funcs`")
@@ -267,6 +275,8 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
     lines = lines or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of config keys at the top level")
+    # `load_in_4bit: false` and friends say what Axolotl does by default: nothing to reject.
+    data = {key: value for key, value in data.items() if not (key in _NOT_YET and value in (False, None))}
     _reject_not_yet(data, source, lines)
     try:
         return Config.model_validate(data)

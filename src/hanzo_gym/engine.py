@@ -166,10 +166,11 @@ class Engine:
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Clip (when asked), take one AdamW step with these parameters, and clear the gradients."""
         grads = [p.grad for p in self.trainable if p.grad is not None]
+        if not grads:  # nothing was accumulated: AdamW would still decay weights and advance its step count
+            return {"grad_norm": 0.0, "lr": adam.learning_rate}
         grad_norm = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-        )
-        grad_norm = grad_norm.item() if grads else 0.0
+        ).item()
         if adam.grad_clip_norm > 0 and grad_norm > adam.grad_clip_norm:
             scale = adam.grad_clip_norm / (grad_norm + 1e-6)
             for g in grads:

@@ -144,9 +144,7 @@ def sample_groups(
             mask[row, longest - len(prompt) :] = 1
         cache = DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-        )
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         cache.batch_repeat_interleave(num_samples)
         logits = out.logits[:, -1].float().repeat_interleave(num_samples, dim=0)
         mask = mask.repeat_interleave(num_samples, dim=0)

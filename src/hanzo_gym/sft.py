@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from hanzo_gym.checkpoint import TrainerPosition, read_checkpoint, write_checkpoint
 from hanzo_gym.config import Config
-from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum, trained_targets
+from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
 from hanzo_gym.data.example import Example
 from hanzo_gym.engine import AdamParams, Engine
 from hanzo_gym.rundir import RunDir
@@ -115,7 +115,7 @@ def train_sft(
             if step >= total:
                 break
             window = windows[index]
-            trained = sum(trained_targets(train[i]) for batch in window for i in batch)
+            trained = sum(train[i].trained_tokens for batch in window for i in batch)
             for batch in window if trained else []:
                 datums = [supervised_datum(train[i], 1.0 / trained) for i in batch]
                 logged_nll += engine.forward_backward(datums, "cross_entropy").loss_sum * trained

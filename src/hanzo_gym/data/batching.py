@@ -51,7 +51,3 @@ def supervised_datum(example: Example, weight_per_token: float) -> Datum:
             "weights": [0.0 if label == IGNORE_INDEX else weight_per_token for label in example.labels[1:]],
         },
     )
-
-
-def trained_targets(example: Example) -> int:
-    return sum(1 for label in example.labels[1:] if label != IGNORE_INDEX)

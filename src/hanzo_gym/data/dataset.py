@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config, DatasetConfig
-from hanzo_gym.data.chat_templates import resolve_chat_template
+from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext, row_to_example
@@ -42,7 +42,7 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
     ctx = StrategyContext(
         tokenizer=tokenizer,
         train_on_inputs=cfg.train_on_inputs,
-        chat_template=resolve_chat_template(cfg.chat_template, tokenizer) if needs_template else None,
+        chat_template=resolve_renderer(cfg.chat_template, tokenizer) if needs_template else None,
     )
     examples: list[Example] = []
     stats: list[DatasetStats] = []

@@ -20,4 +20,5 @@ class Example:
 
     @property
     def trained_tokens(self) -> int:
-        return sum(1 for label in self.labels if label != IGNORE_INDEX)
+        """Trained positions that a model can predict: position 0 has no token before it, so never counts."""
+        return sum(1 for label in self.labels[1:] if label != IGNORE_INDEX)

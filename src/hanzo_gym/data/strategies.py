@@ -1,7 +1,7 @@
 """Dataset strategies (`datasets[].type`): one row becomes one Example of input ids and labels.
 
-- `chat_template`: the conversation rendered through the chat template; the content of trained turns (and
-  their end-of-turn token, per `train_on_eos`) is labelled.
+- `chat_template`: the conversation rendered by the run's renderer (`chat_template` setting); the content of
+  trained turns (and their end-of-turn token, per `train_on_eos`) is labelled.
 - `alpaca`: the fixed Alpaca prompt, then the output; the output and eos are labelled.
 - `completion`: raw text plus eos; everything is labelled.
 
@@ -14,44 +14,18 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import DatasetConfig
-from hanzo_gym.data.chat_templates import render_chat
+from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.example import IGNORE_INDEX, Example
 from hanzo_gym.errors import ConfigError, DataError
+from hanzo_gym.renderers.base import Renderer, RendererError, axolotl_labels, axolotl_trained
 
 if TYPE_CHECKING:
     from hanzo_gym.data.sources import Row
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
-
-# Tokens that close a turn in common chat formats. The tokenizer's eos alone is not enough: Llama 3's eos is
-# `<|end_of_text|>` but its turns end with `<|eot_id|>`.
-END_OF_TURN_TOKENS = (
-    "<|im_end|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|end_of_text|>",
-    "</s>",
-)
-# How far after a turn's content its end-of-turn token may sit (e.g. Llama 3 trims trailing text before it).
-END_TOKEN_WINDOW = 3
-# How many tokens of template text may sit between the assistant header and the content (Qwen3's `<think>\n`
-# is 2); bounds the search for the header so that it never reaches back into an earlier turn.
-MAX_OPENER_TOKENS = 8
-# What a chat template raises on a conversation it cannot render (raise_exception, an undefined field, `+` on
-# a non-string).
-TEMPLATE_ERRORS = (TemplateError, TypeError)
-
-DUMMY_TEXT = "dummy_message"
-# Message keys whose text the model generates as part of its turn: left out of the dummy turn so that what the
-# template renders from them counts as the turn's content (and is trained).
-GENERATED_KEYS = ("reasoning_content", "reasoning", "thinking", "tool_calls")
 
 ALPACA_PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -67,20 +41,19 @@ ALPACA_PROMPT = (
 
 @dataclass
 class StrategyContext:
-    """What every strategy needs besides the row: the tokenizer, run-wide settings, the resolved template."""
+    """What every strategy needs besides the row: the tokenizer, run-wide settings, the chat renderer."""
 
     tokenizer: PreTrainedTokenizerBase
     train_on_inputs: bool = False
-    chat_template: str | None = None
+    # The resolved renderer, or a `chat_template` setting (a name, `tokenizer_default`, inline Jinja) that is
+    # resolved on first use.
+    chat_template: Renderer | str | None = None
 
     @cached_property
-    def end_of_turn_ids(self) -> frozenset[int]:
-        # Added (control) tokens only: Qwen's BPE also has `</s>` as ordinary text, which ends nothing.
-        added = self.tokenizer.get_added_vocab()
-        ids = {added[token] for token in END_OF_TURN_TOKENS if token in added}
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+    def renderer(self) -> Renderer:
+        if isinstance(self.chat_template, Renderer):
+            return self.chat_template
+        return resolve_renderer(self.chat_template, self.tokenizer)
 
     @cached_property
     def eos_id(self) -> int:
@@ -93,10 +66,6 @@ class StrategyContext:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        assert self.chat_template is not None, "resolve the chat template before the chat_template strategy"
-        return render_chat(self.tokenizer, messages, self.chat_template, add_generation_prompt)
 
 
 def row_to_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example:
@@ -145,115 +114,18 @@ def chat_messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
 
 
 def chat_template_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example:
+    """The rendered conversation, labelled by Axolotl's roles_to_train / train_on_eos / train_on_inputs."""
     messages = chat_messages(row, ds)
     if not messages:
         return Example([], [])
+    roles = {canonical_role(role) for role in ds.roles_to_train}
     try:
-        return _label_conversation(messages, ds, ctx)
-    except TEMPLATE_ERRORS as exc:
-        raise DataError(f"{_where(row)}: chat template failed: {exc}") from None
-
-
-def _label_conversation(messages: list[dict[str, Any]], ds: DatasetConfig, ctx: StrategyContext) -> Example:
-    ids = ctx.encode(ctx.render(messages))
-    labels = [IGNORE_INDEX] * len(ids)
-    trained_roles = {canonical_role(role) for role in ds.roles_to_train}
-    last_end_token = None
-    for index, message in enumerate(messages):
-        trained = ctx.train_on_inputs or message["role"] in trained_roles
-        if not trained and ds.train_on_eos != "all":
-            continue
-        span = _content_span(messages, index, ids, ctx)
-        if span is None:
-            continue
-        start, end = span
-        if trained:
-            labels[start:end] = ids[start:end]
-        end_token = _end_token_position(ids, end, ctx.end_of_turn_ids)
-        if end_token is None:
-            continue
-        if trained:
-            last_end_token = end_token
-        if ds.train_on_eos == "all" or (ds.train_on_eos == "turn" and trained):
-            labels[end_token] = ids[end_token]
-    if ds.train_on_eos == "last" and last_end_token is not None:
-        labels[last_end_token] = ids[last_end_token]
-    return Example(ids, labels)
-
-
-def _content_span(
-    messages: list[dict[str, Any]], index: int, ids: list[int], ctx: StrategyContext
-) -> tuple[int, int] | None:
-    """Token range [start, end) of turn `index` inside the full conversation's `ids`.
-
-    Found by rendering the FULL conversation again with only this turn's content swapped for a dummy: the
-    range where the two token sequences differ is what the template emitted for this turn in context.
-    (Rendering prefixes instead mislabels Qwen3, whose last assistant turn of a prefix gets a `<think>` block
-    that the same turn lacks in the full conversation.)
-    """
-    message = messages[index]
-    dummy = {key: value for key, value in message.items() if key not in GENERATED_KEYS}
-    dummy["content"] = _dummy_for(message["content"])
-    other = ctx.encode(ctx.render([*messages[:index], dummy, *messages[index + 1 :]]))
-    prefix = _common_prefix(ids, other)
-    if prefix == len(ids) == len(other):
-        return None
-    suffix = _common_prefix(ids[::-1], other[::-1], limit=min(len(ids), len(other)) - prefix)
-    start, end = prefix, len(ids) - suffix
-    if message["role"] == "assistant":
-        start = _after_assistant_header(messages, index, ids, start, ctx)
-    return start, end
-
-
-def _after_assistant_header(
-    messages: list[dict[str, Any]], index: int, ids: list[int], start: int, ctx: StrategyContext
-) -> int:
-    """Move `start` back over text the template puts between the assistant header and the content (Qwen3's
-    `<think>` opener): the model generates it after the generation prompt, so it belongs to the turn."""
-    if index == 0:
-        return start
-    try:
-        with_prompt = ctx.render(messages[:index], add_generation_prompt=True)
-        without_prompt = ctx.render(messages[:index])
-    except TEMPLATE_ERRORS:  # a template that cannot render this prefix: keep the content span
-        return start
-    if not with_prompt.startswith(without_prompt):
-        return start
-    header = ctx.encode(with_prompt[len(without_prompt) :])
-    if not header:
-        return start
-    position = start
-    while position >= max(len(header), start - MAX_OPENER_TOKENS):
-        if ids[position - len(header) : position] == header:
-            return position
-        if ids[position - 1] in ctx.end_of_turn_ids:  # reached the previous turn: no header for this one
-            break
-        position -= 1
-    return start
-
-
-def _dummy_for(content: str) -> str:
-    # First and last characters unlike the content's (templates often strip it), so that no content token is
-    # mistaken for template text shared by both renderings: content "[[x" and dummy "[[dummy" share "[[".
-    text = content.strip()
-    opener = "<" if text.startswith("[") else "["
-    closer = ">" if text.endswith("]") else "]"
-    return f"{opener}{opener}{DUMMY_TEXT}{closer}{closer}"
-
-
-def _end_token_position(ids: list[int], end: int, end_ids: frozenset[int]) -> int | None:
-    for position in range(end, min(end + END_TOKEN_WINDOW + 1, len(ids))):
-        if ids[position] in end_ids:
-            return position
-    return None
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
-    limit = min(len(a), len(b)) if limit is None else limit
-    for position in range(limit):
-        if a[position] != b[position]:
-            return position
-    return limit
+        conversation = ctx.renderer.render(messages)
+        ctx.renderer.check_targets(messages, axolotl_trained(messages, roles, ctx.train_on_inputs))
+    except RendererError as exc:
+        raise DataError(f"{_where(row)}: {exc}") from None
+    labels = axolotl_labels(conversation, messages, roles, ds.train_on_eos, ctx.train_on_inputs)
+    return Example(conversation.tokens(), labels)
 
 
 def _message_text(value: Any, where: str, field: str) -> str:

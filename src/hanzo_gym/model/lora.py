@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
 from hanzo_gym.errors import ModelError
 
@@ -55,7 +56,7 @@ def linear_module_names(model: PreTrainedModel) -> list[str]:
     names = {
         name.rsplit(".", 1)[-1]
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and module is not output
+        if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not output
     }
     return sorted(names)
 

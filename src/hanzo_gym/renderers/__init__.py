@@ -46,7 +46,11 @@ _BUILT_IN: dict[str, tuple[str, str, dict[str, Any]]] = {
     "kimi_k2": ("hanzo_gym.renderers.kimi", "KimiK2Renderer", {}),
     "gpt_oss_no_sysprompt": ("hanzo_gym.renderers.gpt_oss", "GptOssRenderer", {"reasoning_effort": None}),
     "gpt_oss_low_reasoning": ("hanzo_gym.renderers.gpt_oss", "GptOssRenderer", {"reasoning_effort": "low"}),
-    "gpt_oss_medium_reasoning": ("hanzo_gym.renderers.gpt_oss", "GptOssRenderer", {"reasoning_effort": "medium"}),
+    "gpt_oss_medium_reasoning": (
+        "hanzo_gym.renderers.gpt_oss",
+        "GptOssRenderer",
+        {"reasoning_effort": "medium"},
+    ),
     "gpt_oss_high_reasoning": ("hanzo_gym.renderers.gpt_oss", "GptOssRenderer", {"reasoning_effort": "high"}),
 }
 _CUSTOM: dict[str, Callable[[PreTrainedTokenizerBase], Renderer]] = {}

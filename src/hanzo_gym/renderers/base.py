@@ -9,7 +9,7 @@ is a weighting of those parts: Tinker's `TrainOnWhat` modes (`build_supervised_e
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -17,12 +17,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from hanzo_gym.data.example import IGNORE_INDEX
 from hanzo_gym.errors import GymError
 from hanzo_gym.model_input import EncodedTextChunk, ModelInput
 
-Message = dict[
-    str, Any
-]  # role, content (str or list of parts), optional tool_calls, trainable, name, tool_call_id
+# role, content (str or list of text/thinking parts), optional reasoning_content, tool_calls, trainable, name,
+# tool_call_id
+Message = dict[str, Any]
+ToolSpec = dict[str, Any]  # name, description, parameters (a JSON schema)
 
 
 class RendererError(GymError):
@@ -95,6 +97,27 @@ class Renderer(ABC):
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
+    def encode_joined(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """The tokens of `first + second`, as one tokenization, split where `first` ends.
+
+        Encoding the two apart differs from a chat template's single encoding when a token spans the boundary:
+        a header ending in "\n" before content starting with "\n" is one "\n\n" token. That token goes with
+        `first` (the header), so the joined tokens stay exactly what `apply_chat_template` gives."""
+        alone = self.encode(first)
+        joined = self.encode(first + second)
+        if joined[: len(alone)] == alone:
+            return alone, joined[len(alone) :]
+        for count in range(1, len(joined) + 1):
+            if len(self.decode(joined[:count])) >= len(first):
+                return joined[:count], joined[count:]
+        return joined, []
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        # Exact text: no special tokens dropped, no "clean-up" of spaces before punctuation (Llama's default).
+        return self.tokenizer.decode(
+            list(tokens), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
     def special_token(self, text: str) -> int:
         token_id = self.tokenizer.convert_tokens_to_ids(text)
         if (
@@ -125,6 +148,16 @@ class Renderer(ABC):
     @abstractmethod
     def parse_response(self, tokens: Sequence[int]) -> tuple[Message, ParseTermination]: ...
 
+    def create_conversation_prefix_with_tools(
+        self, tools: Sequence[ToolSpec], system_prompt: str = ""
+    ) -> list[Message]:
+        """The messages that declare `tools` (and `system_prompt`) in this format's own way."""
+        raise RendererError(f"{type(self).__name__} has no tool-calling format")
+
+    def check_targets(self, messages: Sequence[Message], trained: Sequence[bool]) -> None:
+        """Raise RendererError if a message to be trained (`trained[i]`) is one this format cannot produce,
+        e.g. reasoning under a renderer whose generation prompt closes the think block."""
+
     # -- shared operations -----------------------------------------------------------------------
     def render(self, messages: Sequence[Message]) -> RenderedConversation:
         check_text_only(messages)
@@ -154,6 +187,7 @@ class Renderer(ABC):
         mode = TrainOnWhat(train_on_what)
         conversation = self.render(messages)
         trained = messages_trained(messages, mode)
+        self.check_targets(messages, trained)
         tokens = list(conversation.bos)
         weights = [0.0] * len(tokens)
         for index, (message, rendered) in enumerate(zip(messages, conversation.messages)):
@@ -196,6 +230,86 @@ def messages_trained(messages: Sequence[Message], mode: TrainOnWhat) -> list[boo
     # LAST_ASSISTANT_TURN: assistant messages after the last user message
     last_user = max((i for i, role in enumerate(roles) if role == "user"), default=-1)
     return [i > last_user and role == "assistant" for i, role in enumerate(roles)]
+
+
+def axolotl_labels(
+    conversation: RenderedConversation,
+    messages: Sequence[Message],
+    roles_to_train: Collection[str],
+    train_on_eos: str,
+    train_on_inputs: bool,
+) -> list[int]:
+    """Axolotl's chat_template labels for `conversation.tokens()`: the token id where trained, else -100.
+
+    A message's content is trained when `train_on_inputs` is set or its role is in `roles_to_train`. Its end
+    marker (`end`, plus `stop_overlap` after the last message) follows `train_on_eos`: `turn` for trained
+    messages, `all` for every message, `last` for the last trained message only, `none` never. BOS, headers and
+    the trailer are never trained.
+    """
+    if train_on_eos not in ("turn", "last", "all", "none"):
+        raise RendererError(f"train_on_eos must be turn, last, all or none, not `{train_on_eos}`")
+    trained = axolotl_trained(messages, roles_to_train, train_on_inputs)
+    ends = [
+        rendered.end + (rendered.stop_overlap if index == len(messages) - 1 else [])
+        for index, rendered in enumerate(conversation.messages)
+    ]
+    last_trained_end = max((i for i, end in enumerate(ends) if end and trained[i]), default=None)
+    labels = [IGNORE_INDEX] * len(conversation.bos)
+    for index, rendered in enumerate(conversation.messages):
+        labels += [IGNORE_INDEX] * len(rendered.header)
+        labels += rendered.content if trained[index] else [IGNORE_INDEX] * len(rendered.content)
+        end_trained = (
+            train_on_eos == "all"
+            or (train_on_eos == "turn" and trained[index])
+            or (train_on_eos == "last" and index == last_trained_end)
+        )
+        labels += ends[index] if end_trained else [IGNORE_INDEX] * len(ends[index])
+    return labels + [IGNORE_INDEX] * len(conversation.trailer)
+
+
+def axolotl_trained(
+    messages: Sequence[Message], roles_to_train: Collection[str], train_on_inputs: bool
+) -> list[bool]:
+    """Which messages' contents Axolotl trains: all with `train_on_inputs`, else those of `roles_to_train`."""
+    return [train_on_inputs or message["role"] in roles_to_train for message in messages]
+
+
+def split_at_stop_token(
+    tokens: Sequence[int], stop_tokens: Collection[int]
+) -> tuple[list[int], ParseTermination]:
+    """The tokens before the one stop token, and how the response ended; more than one stop is an error
+    (the sampler was not given the renderer's stop sequences)."""
+    positions = [i for i, token in enumerate(tokens) if token in stop_tokens]
+    if len(positions) > 1:
+        raise RendererError(
+            f"the response has {len(positions)} stop tokens; sample with the renderer's get_stop_sequences()"
+        )
+    if not positions:
+        return list(tokens), ParseTermination.MALFORMED
+    return list(tokens[: positions[0]]), ParseTermination.STOP_SEQUENCE
+
+
+def text_content(message: Message) -> str:
+    """The message's text: its string content, or its text parts joined (thinking parts left out)."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == "text")
+
+
+def thinking_content(message: Message) -> str | None:
+    """The reasoning a message carries structurally: its `reasoning_content` string or its thinking parts
+    joined; None when it has neither (inline `<think>` text is format-specific and left to the renderer)."""
+    if message.get("reasoning_content") is not None:
+        return message["reasoning_content"]
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = [part["thinking"] for part in content if part.get("type") == "thinking"]
+        if parts:
+            return "".join(parts)
+    return None
 
 
 def check_text_only(messages: Sequence[Message]) -> None:
