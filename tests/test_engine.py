@@ -181,3 +181,30 @@ def test_reference_forward_disables_the_adapter():
     torch.testing.assert_close(
         engine.forward([datum])[0], _reference_logprobs(model, tokens), rtol=1e-4, atol=1e-5
     )
+
+
+def test_architectures_that_ignore_packing_get_one_datum_per_pass():
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    torch.manual_seed(0)
+    opt = AutoModelForCausalLM.from_config(
+        OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            max_position_embeddings=64,
+        )
+    )
+    with pytest.warns(UserWarning, match="one datum per pass"):
+        engine = Engine(attach_lora(opt, 4, 8, 0.0, "all-linear", "opt"))
+    assert not engine.packs_datums
+    seqs = [list(range(3, 12)), list(range(20, 26))]
+    assert [len(g) for g in engine._passes([_datum(s) for s in seqs])] == [1, 1]
+    opt.eval()  # OPT has dropout: compare in eval mode, as engine.forward scores
+    references = [_reference_logprobs(opt, tokens) for tokens in seqs]
+    for want, got in zip(references, engine.forward([_datum(s) for s in seqs])):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert Engine(_lora("qwen3")).packs_datums and Engine(_lora("llama")).packs_datums

@@ -8,6 +8,7 @@ attention that never crosses a datum's boundary.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,10 +71,21 @@ class Engine:
         self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0)
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = causal_lm.config
-        if getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):
-            raise GymError(f"{config.model_type}: scaled or soft-capped output logits are not supported yet")
+        scaled = [
+            k
+            for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+            if getattr(config, k, None)
+        ]
+        if scaled:
+            raise GymError(f"{config.model_type}: output logits with `{scaled[0]}` are not supported yet")
         self._decoder = causal_lm.get_decoder()
         self._output_weight = causal_lm.get_output_embeddings().weight
+        self.packs_datums = self._packing_is_exact()
+        if not self.packs_datums:
+            warnings.warn(
+                f"{config.model_type} does not keep packed sequences apart: one datum per pass (slower)",
+                stacklevel=2,
+            )
 
     @property
     def trainable_parameter_count(self) -> int:
@@ -136,6 +148,26 @@ class Engine:
             )
         return self.model.disable_adapter()
 
+    def _packing_is_exact(self) -> bool:
+        """Whether two datums packed in one row score as they do alone. Architectures that ignore restarting
+        position ids (OPT, for one) would let packed datums attend to each other."""
+        generator = torch.Generator().manual_seed(0)
+        vocab = self._output_weight.shape[0]
+        datums = [
+            Datum(tokens, {"target_tokens": tokens})
+            for tokens in (torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (6, 4))
+        ]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                packed = self._packed_logprobs(datums)[0].split([6, 4])
+                alone = [self._packed_logprobs([datum])[0] for datum in datums]
+        finally:
+            self.model.train(was_training)
+        tolerance = 1e-3 if self._output_weight.dtype == torch.float32 else 5e-2
+        return all(torch.allclose(a, b, atol=tolerance, rtol=tolerance) for a, b in zip(packed, alone))
+
     def _passes(self, datums: list[Datum]) -> list[list[Datum]]:
         """Consecutive groups of at most `max_tokens_per_pass` tokens (a longer datum goes alone), so that
         activation memory follows the pass size, not the batch size."""
@@ -144,7 +176,7 @@ class Engine:
         for datum in datums:
             if len(datum) < 1:
                 raise GymError("every datum needs at least one input token")
-            if used + len(datum) > self.max_tokens_per_pass:
+            if used + len(datum) > self.max_tokens_per_pass or not self.packs_datums:
                 groups.append([])
                 used = 0
             groups[-1].append(datum)
@@ -158,8 +190,11 @@ class Engine:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
         blocks that never cross datums (it infers them only when no cache is passed)."""
         tokens = torch.tensor([t for d in datums for t in d.model_input], device=self.device)
-        positions = torch.cat([torch.arange(len(d), device=self.device) for d in datums])
-        output = self._decoder(input_ids=tokens[None], position_ids=positions[None], use_cache=False)
+        positions = torch.cat([torch.arange(len(d), device=self.device) for d in datums])[None]
+        # A lone datum takes the model's own default positions (some, like OPT, offset them internally).
+        output = self._decoder(
+            input_ids=tokens[None], position_ids=positions if len(datums) > 1 else None, use_cache=False
+        )
         targets = self._concat(datums, "target_tokens", torch.long)
         return token_logprobs(output.last_hidden_state[0], self._output_weight, targets, self.logprob_chunk)
 
