@@ -172,3 +172,24 @@ def test_not_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="mapping"):
         parse_config(["a"])
+
+
+def test_axolotl_defaults_for_unsupported_features_are_accepted(tmp_path):
+    cfg = _load(tmp_path, BASE + "load_in_4bit: false\nload_in_8bit: false\ndeepspeed:\n")
+    assert cfg.adapter == "lora"
+
+
+def test_lora_on_embedding_or_output_layer_is_refused(tmp_path):
+    message = _error(tmp_path, BASE + "lora_target_modules: [q_proj, lm_head]\n")
+    assert "lm_head" in message and "not supported" in message
+
+
+def test_chat_template_names_are_checked_at_load(tmp_path):
+    message = _error(tmp_path, BASE + "chat_template: qwen33\n")
+    assert "run.yaml:8" in message and "did you mean `qwen3`?" in message
+    assert _load(tmp_path, BASE + "chat_template: tokenizer_default_fallback_chatml\n").chat_template
+    assert _load(tmp_path, BASE + "chat_template: \"{{ messages[0]['content'] }}\"\n").chat_template
+
+
+def test_resume_path_must_exist(tmp_path):
+    assert "is not a directory" in _error(tmp_path, BASE + f"resume_from_checkpoint: {tmp_path / 'nope'}\n")

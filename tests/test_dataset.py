@@ -48,7 +48,12 @@ def test_truncates_and_drops_with_counts(word_tokenizer):
     # 7 one-word texts of 2 tokens, 2 two-word texts of 3, 2 longer texts cut to 3, the empty one dropped;
     # every token is labelled but each example's first one cannot be predicted, so it is not counted trained
     assert stats == DatasetStats(
-        "texts.jsonl", examples=11, tokens=7 * 2 + 2 * 3 + 2 * 3, trained_tokens=26 - 11, truncated=2, dropped=1
+        "texts.jsonl",
+        examples=11,
+        tokens=7 * 2 + 2 * 3 + 2 * 3,
+        trained_tokens=26 - 11,
+        truncated=2,
+        dropped=1,
     )
     assert all(len(example) <= 3 for example in kept)
     # truncation keeps the first tokens: "a b c d" + eos -> "a b c"

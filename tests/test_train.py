@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from hanzo_gym import checkpoint as checkpoint_module
 from hanzo_gym.cli import main
+from hanzo_gym.engine import Datum, Engine
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,15 @@ def test_adapter_loads_in_peft_with_the_same_logits_and_merge_matches(tmp_path, 
     with torch.no_grad():
         adapted_logits = adapted(tokens).logits
     assert not torch.allclose(adapted_logits, base_logits, atol=1e-4)  # the adapter did something
+
+    # peft's model scores exactly as our engine does with the adapter it trained
+    ids = tokens[0].tolist()
+    trainable = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_base), str(run), is_trainable=True
+    )
+    ours = Engine(trainable).forward([Datum(ids[:-1], {"target_tokens": ids[1:]})])[0]
+    theirs = adapted_logits[0, :-1].log_softmax(-1).gather(1, tokens[0, 1:, None]).squeeze(1)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
     assert main(["merge", str(path), "--out", str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
@@ -259,3 +269,65 @@ def test_real_smollm2_from_gguf_lowers_held_out_loss(tmp_path, real):
     assert json.loads((tmp_path / "run" / "adapter_config.json").read_text())[
         "base_model_name_or_path"
     ] == str(real.gguf)
+
+
+def test_a_new_run_in_an_old_output_dir_starts_clean(tmp_path, tiny_base, chat_data, capsys):
+    first, _ = _config(tmp_path, tiny_base, chat_data, max_steps=4, save_steps=2)
+    assert main(["train", str(first)]) == 0
+    second, _ = _config(tmp_path, tiny_base, chat_data, max_steps=3, save_steps=None)
+    assert main(["train", str(second)]) == 0
+    assert "removed the previous run's" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert sorted(_train_losses(run)) == [1, 2, 3]
+    assert not list(run.glob("checkpoint-*")) and not (run / "checkpoints.jsonl").exists()
+
+
+def test_resume_refuses_other_adapter_settings(tmp_path, tiny_base, chat_data, capsys):
+    path, _ = _config(tmp_path, tiny_base, chat_data, max_steps=3, save_steps=3)
+    assert main(["train", str(path)]) == 0
+    other, _ = _config(
+        tmp_path,
+        tiny_base,
+        chat_data,
+        lora_r=8,
+        output_dir=str(tmp_path / "other"),
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"),
+    )
+    assert main(["train", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "lora_r: 4 → 8" in err and "Traceback" not in err
+
+
+def test_logged_rows_after_resume_match_with_logging_windows(tmp_path, tiny_base, chat_data):
+    path, _ = _config(tmp_path, tiny_base, chat_data, logging_steps=2, save_steps=3, max_steps=6)
+    assert main(["train", str(path)]) == 0
+    resumed, _ = _config(
+        tmp_path,
+        tiny_base,
+        chat_data,
+        logging_steps=2,
+        save_steps=3,
+        max_steps=6,
+        output_dir=str(tmp_path / "resumed"),
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"),
+    )
+    assert main(["train", str(resumed)]) == 0
+    straight, again = _train_losses(tmp_path / "run"), _train_losses(tmp_path / "resumed")
+    assert sorted(again) == [4, 6]  # step 4's row averages steps 3 and 4, as in the straight run
+    for step in again:
+        assert again[step] == pytest.approx(straight[step], rel=1e-6)
+
+
+def test_holding_out_everything_is_named(tmp_path, tiny_base, chat_data, capsys):
+    path, _ = _config(tmp_path, tiny_base, chat_data, val_set_size=1.0)
+    assert main(["train", str(path)]) == 2
+    assert "val_set_size 1.0 holds out all 40 examples" in capsys.readouterr().err
+
+
+def test_gradient_checkpointing_is_really_on(tmp_path, tiny_base, chat_data):
+    from hanzo_gym.config import load_config
+    from hanzo_gym.train import build_engine
+
+    path, _ = _config(tmp_path, tiny_base, chat_data, gradient_checkpointing=True)
+    engine = build_engine(load_config(path), torch.device("cpu"), torch.float32)
+    assert engine.model.get_base_model().is_gradient_checkpointing

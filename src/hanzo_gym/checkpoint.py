@@ -5,11 +5,12 @@ resume with different data or batch settings fails instead of silently diverging
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from hanzo_gym.config import Config
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.lora import load_adapter_weights, save_adapter
@@ -23,7 +24,20 @@ class TrainerPosition:
     step: int  # optimizer steps taken
     epoch: int  # epoch of the next window
     window: int  # index of the next accumulation window in that epoch
-    plan: dict  # fingerprint of the data plan
+    plan: dict  # fingerprint of the data plan and the adapter
+    log_window: dict = field(
+        default_factory=dict
+    )  # the partly filled logging window, so rows match a straight run
+
+
+def adapter_fingerprint(cfg: Config) -> dict:
+    """What the saved adapter and optimizer state depend on: resuming with other values cannot work."""
+    return {
+        "base_model": cfg.base_model,
+        "lora_r": cfg.lora_r,
+        "lora_alpha": cfg.lora_alpha,
+        "lora_targets": "all-linear" if cfg.lora_target_linear else sorted(cfg.lora_target_modules),
+    }
 
 
 def write_checkpoint(directory: Path, engine: Engine, position: TrainerPosition) -> None:
@@ -52,8 +66,8 @@ def read_checkpoint(directory: Path, engine: Engine, plan: dict) -> TrainerPosit
     if changed:
         details = ", ".join(f"{k}: {old} → {new}" for k, (old, new) in changed.items())
         raise GymError(
-            f"cannot resume from {directory}: the data plan changed ({details}); "
-            "resume with the same datasets and batch settings, or start a new output_dir"
+            f"cannot resume from {directory}: these settings differ from the checkpoint's ({details}); "
+            "resume with the checkpoint's settings, or start a new output_dir"
         )
     load_adapter_weights(engine.model, directory)
     saved = torch.load(directory / TRAINING_STATE, weights_only=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from hanzo_gym import __version__
 from hanzo_gym.errors import GymError
@@ -55,8 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Progress bars are for terminals; peft 0.21 trips a transformers rename warning users cannot act on."""
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    if not sys.stderr.isatty():
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        disable_progress_bars()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_libraries()
     try:
         args.handler(args)
     except GymError as exc:

@@ -134,6 +134,23 @@ class Config(_Strict):
     rl: Literal["grpo"] | None = None
     trl: TrlConfig = TrlConfig()
 
+    @field_validator("chat_template")
+    @classmethod
+    def _known_chat_template(cls, value: str | None) -> str | None:
+        from hanzo_gym.data.chat_templates import FALLBACK_PREFIX, TOKENIZER_DEFAULT, is_jinja, template_names
+
+        if value is None or is_jinja(value):
+            return value
+        name = value.removeprefix(FALLBACK_PREFIX)
+        if value != TOKENIZER_DEFAULT and name not in template_names():
+            close = difflib.get_close_matches(name, template_names(), n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            raise ValueError(
+                f"unknown template; {hint}use {TOKENIZER_DEFAULT}, {FALLBACK_PREFIX}<name>, inline Jinja, "
+                f"or one of {', '.join(template_names())}"
+            )
+        return value
+
     @model_validator(mode="after")
     def _cross_key_rules(self) -> Config:
         if self.adapter != "lora":

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hanzo_gym.checkpoint import TrainerPosition, read_checkpoint, write_checkpoint
+from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, read_checkpoint, write_checkpoint
 from hanzo_gym.config import Config
 from hanzo_gym.data.batching import epoch_order
 from hanzo_gym.data.prompts import Prompt
@@ -107,7 +107,12 @@ def train_grpo(
         else min(cfg.max_steps, cfg.num_epochs * per_epoch)
     )
     warmup = cfg.warmup(total)
-    plan = {"train_prompts": len(train), "seed": cfg.seed, "micro_batch_size": cfg.micro_batch_size}
+    plan = {
+        **adapter_fingerprint(cfg),
+        "train_prompts": len(train),
+        "seed": cfg.seed,
+        "micro_batch_size": cfg.micro_batch_size,
+    }
     position = TrainerPosition(step=0, epoch=0, window=0, plan=plan)
     if resume_from is not None:
         position = read_checkpoint(resume_from, engine, plan)

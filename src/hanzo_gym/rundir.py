@@ -72,6 +72,29 @@ class RunDir:
             raise GymError(f"cannot create output_dir {self.path}: {exc.strerror}") from None
         self.metrics_path = self.path / "metrics.jsonl"
         self.checkpoints_path = self.path / "checkpoints.jsonl"
+        self._remove_abandoned_temporaries()
+
+    def _remove_abandoned_temporaries(self) -> None:
+        """Temporary folders whose writer process is gone (killed mid-write) are never trusted: delete them."""
+        for path in self.path.glob(".*"):
+            pid = path.name.rsplit("-", 1)[-1]
+            if path.is_dir() and pid.isdigit() and not _process_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def start_fresh(self) -> list[str]:
+        """A new run in an output_dir that holds an earlier one: drop the earlier run's records and
+        checkpoints, so that metrics and `resume_from_checkpoint: true` can only see this run. Returns what
+        was removed."""
+        removed = []
+        for path in (self.metrics_path, self.checkpoints_path):
+            if path.exists():
+                path.unlink()
+                removed.append(path.name)
+        for path in sorted(self.path.glob(f"{CHECKPOINT_PREFIX}*")):
+            if path.is_dir():
+                shutil.rmtree(path)
+                removed.append(path.name)
+        return removed
 
     def write_config(self, resolved: dict) -> None:
         atomic_write_text(self.path / "config.json", json.dumps(resolved, indent=2) + "\n")
@@ -108,6 +131,18 @@ class RunDir:
             and (p / TRAINER_STATE).is_file()
         ]
         return max(complete, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)), default=None)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hanzo_gym.checkpoint import TrainerPosition, read_checkpoint, write_checkpoint
+from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, read_checkpoint, write_checkpoint
 from hanzo_gym.config import Config
 from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
 from hanzo_gym.data.example import Example
@@ -39,6 +39,7 @@ def _windows(cfg: Config, train: list[Example], epoch: int) -> list[list[list[in
 
 def _plan_fingerprint(cfg: Config, train: list[Example]) -> dict:
     return {
+        **adapter_fingerprint(cfg),
         "train_examples": len(train),
         "train_tokens": sum(len(e) for e in train),
         "seed": cfg.seed,
@@ -87,8 +88,10 @@ def train_sft(
     bar = tqdm(total=total, initial=position.step, disable=not interactive, unit="step", dynamic_ncols=True)
     say = bar.write if interactive else (lambda text: print(text, flush=True))
     started = time.perf_counter()
-    window_clock = started
-    logged_nll = logged_trained = logged_tokens = 0.0
+    logged_nll = position.log_window.get("nll", 0.0)
+    logged_trained = position.log_window.get("trained", 0.0)
+    logged_tokens = position.log_window.get("tokens", 0.0)
+    logged_seconds = position.log_window.get("seconds", 0.0)
     last_eval: float | None = None
     step = position.step
 
@@ -115,6 +118,7 @@ def train_sft(
             if step >= total:
                 break
             window = windows[index]
+            window_started = time.perf_counter()
             trained = sum(train[i].trained_tokens for batch in window for i in batch)
             for batch in window if trained else []:
                 datums = [supervised_datum(train[i], 1.0 / trained) for i in batch]
@@ -133,6 +137,7 @@ def train_sft(
                 )
             )
             step += 1
+            logged_seconds += time.perf_counter() - window_started  # training time only: no evals or saves
             bar.update(1)
             epoch_progress = epoch + (index + 1) / len(windows)
 
@@ -146,7 +151,7 @@ def train_sft(
                     "grad_norm": stats["grad_norm"],
                     "tokens": int(logged_tokens),
                     "trained_tokens": int(logged_trained),
-                    "tokens_per_s": logged_tokens / max(now - window_clock, 1e-9),
+                    "tokens_per_s": logged_tokens / max(logged_seconds, 1e-9),
                     "elapsed_s": now - started,
                 }
                 run.log(row)
@@ -155,8 +160,7 @@ def train_sft(
                     f"step {step}/{total} loss {row['loss']:.4f} lr {lr:.3e} grad_norm {row['grad_norm']:.3f} "
                     f"tokens/s {row['tokens_per_s']:.0f}"
                 )
-                window_clock = now
-                logged_nll = logged_trained = logged_tokens = 0.0
+                logged_nll = logged_trained = logged_tokens = logged_seconds = 0.0
 
             end_of_epoch = index == len(windows) - 1
             if val and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == total):
@@ -164,7 +168,19 @@ def train_sft(
 
             if cfg.save_steps and step % cfg.save_steps == 0:
                 next_position = (epoch, index + 1) if not end_of_epoch else (epoch + 1, 0)
-                mark = TrainerPosition(step=step, epoch=next_position[0], window=next_position[1], plan=plan)
+                window_sums = {
+                    "nll": logged_nll,
+                    "trained": logged_trained,
+                    "tokens": logged_tokens,
+                    "seconds": logged_seconds,
+                }
+                mark = TrainerPosition(
+                    step=step,
+                    epoch=next_position[0],
+                    window=next_position[1],
+                    plan=plan,
+                    log_window=window_sums,
+                )
                 path = run.save_checkpoint(
                     step, epoch_progress, lambda d, mark=mark: write_checkpoint(d, engine, mark)
                 )

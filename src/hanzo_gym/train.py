@@ -53,10 +53,7 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
                 f"resume_from_checkpoint: true, but {run.path} has no complete checkpoint yet: starting fresh"
             )
         return latest
-    path = Path(wanted)
-    if not path.is_dir():
-        raise GymError(f"resume_from_checkpoint: {path} is not a directory")
-    return path
+    return Path(wanted)  # the config checked that it is a directory
 
 
 def run_training(cfg: Config) -> SftResult | GrpoResult:
@@ -69,6 +66,10 @@ def run_training(cfg: Config) -> SftResult | GrpoResult:
         data = load_examples(cfg, tokenizer)
         what = "examples"
     if not data.train:
+        if data.val:
+            raise GymError(
+                f"val_set_size {cfg.val_set_size} holds out all {len(data.val)} {what}: none are left to train on"
+            )
         raise GymError(f"no training {what} left after tokenization: see `gym preprocess` for the counts")
     engine = build_engine(cfg, device, dtype, tokenizer)
     run = RunDir(cfg.output_dir)
@@ -78,9 +79,17 @@ def run_training(cfg: Config) -> SftResult | GrpoResult:
         f"{engine.trainable_parameter_count:,}, device {device.type}, dtype {str(dtype).removeprefix('torch.')}",
         flush=True,
     )
+    resume_from = resume_point(cfg, run)
+    if resume_from is None:
+        removed = run.start_fresh()
+        if removed:
+            print(
+                f"starting a new run in {run.path}: removed the previous run's {', '.join(removed)}",
+                flush=True,
+            )
     torch.manual_seed(cfg.seed)
     loop = train_grpo if cfg.rl == "grpo" else train_sft
-    result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_point(cfg, run))
+    result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_from)
 
     def final(directory: Path) -> None:
         save_adapter(engine.model, directory)
