@@ -14,7 +14,7 @@ from hanzo_gym.config import Config
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.lora import load_adapter_weights, save_adapter
-from hanzo_gym.rundir import TRAINER_STATE
+from hanzo_gym.rundir import TRAINER_STATE, RunDir
 
 TRAINING_STATE = "training_state.pt"
 
@@ -75,4 +75,15 @@ def read_checkpoint(directory: Path, engine: Engine, plan: dict) -> TrainerPosit
     torch.set_rng_state(saved["cpu_rng"])
     if saved["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(saved["cuda_rng"])
+    return position
+
+
+def starting_position(engine: Engine, run: RunDir, plan: dict, resume_from: Path | None) -> TrainerPosition:
+    """Where a loop starts: step 0, or the checkpoint's position with its state restored into `engine` and the
+    run's records after that step forgotten."""
+    if resume_from is None:
+        return TrainerPosition(step=0, epoch=0, window=0, plan=plan)
+    position = read_checkpoint(resume_from, engine, plan)
+    run.forget_after(position.step)
+    print(f"resumed from {resume_from} at step {position.step}", flush=True)
     return position

@@ -4,15 +4,13 @@ datums, and train with one of the engine's RL losses. A plain function over the 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, read_checkpoint, write_checkpoint
+from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, starting_position, write_checkpoint
 from hanzo_gym.config import Config
 from hanzo_gym.data.batching import epoch_order
 from hanzo_gym.data.prompts import Prompt
@@ -27,7 +25,7 @@ from hanzo_gym.rl_math import (
     rl_datum,
     sample_train_metrics,
 )
-from hanzo_gym.rundir import RunDir
+from hanzo_gym.rundir import Progress, RunDir
 from hanzo_gym.sampling import SamplingParams
 from hanzo_gym.schedule import lr_at
 
@@ -113,15 +111,9 @@ def train_grpo(
         "seed": cfg.seed,
         "micro_batch_size": cfg.micro_batch_size,
     }
-    position = TrainerPosition(step=0, epoch=0, window=0, plan=plan)
-    if resume_from is not None:
-        position = read_checkpoint(resume_from, engine, plan)
-        run.forget_after(position.step)
-        print(f"resumed from {resume_from} at step {position.step}", flush=True)
-
-    interactive = sys.stderr.isatty()
-    bar = tqdm(total=total, initial=position.step, disable=not interactive, unit="step", dynamic_ncols=True)
-    say = bar.write if interactive else (lambda text: print(text, flush=True))
+    position = starting_position(engine, run, plan, resume_from)
+    progress = Progress(total, position.step)
+    say = progress.say
     started = time.perf_counter()
     step = position.step
     last_eval = None
@@ -209,7 +201,7 @@ def train_grpo(
                     row["loss"] = out.loss_sum
                     row["grad_norm"] = stats["grad_norm"]
             step += 1
-            bar.update(1)
+            progress.advance()
             train_seconds = time.perf_counter() - clock
 
             row = {
@@ -243,7 +235,7 @@ def train_grpo(
                 say(f"saved {path}")
         if step >= total:
             break
-    bar.close()
+    progress.close()
     return GrpoResult(steps=step, last_eval=last_eval)
 
 

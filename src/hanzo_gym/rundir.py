@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from tqdm import tqdm
 
 from hanzo_gym.errors import GymError
 
@@ -131,6 +134,30 @@ class RunDir:
             and (p / TRAINER_STATE).is_file()
         ]
         return max(complete, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)), default=None)
+
+
+class Progress:
+    """A progress bar on an interactive terminal, plain log lines otherwise."""
+
+    def __init__(self, total: int, done: int):
+        self.interactive = sys.stderr.isatty()
+        self.bar = tqdm(
+            total=total, initial=done, disable=not self.interactive, unit="step", dynamic_ncols=True
+        )
+
+    def say(self, text: str) -> None:
+        if self.interactive:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, **postfix: str) -> None:
+        self.bar.update(1)
+        if postfix:
+            self.bar.set_postfix(**postfix)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _process_alive(pid: int) -> bool:

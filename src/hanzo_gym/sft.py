@@ -7,19 +7,16 @@ loss needs no further division and gradient accumulation gives the same update a
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
-from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, read_checkpoint, write_checkpoint
+from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, starting_position, write_checkpoint
 from hanzo_gym.config import Config
 from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
 from hanzo_gym.data.example import Example
 from hanzo_gym.engine import AdamParams, Engine
-from hanzo_gym.rundir import RunDir
+from hanzo_gym.rundir import Progress, RunDir
 from hanzo_gym.schedule import lr_at
 
 
@@ -78,15 +75,9 @@ def train_sft(
     warmup = cfg.warmup(total)
     plan = _plan_fingerprint(cfg, train)
 
-    position = TrainerPosition(step=0, epoch=0, window=0, plan=plan)
-    if resume_from is not None:
-        position = read_checkpoint(resume_from, engine, plan)
-        run.forget_after(position.step)
-        print(f"resumed from {resume_from} at step {position.step}", flush=True)
-
-    interactive = sys.stderr.isatty()
-    bar = tqdm(total=total, initial=position.step, disable=not interactive, unit="step", dynamic_ncols=True)
-    say = bar.write if interactive else (lambda text: print(text, flush=True))
+    position = starting_position(engine, run, plan, resume_from)
+    progress = Progress(total, position.step)
+    say = progress.say
     started = time.perf_counter()
     logged_nll = position.log_window.get("nll", 0.0)
     logged_trained = position.log_window.get("trained", 0.0)
@@ -138,7 +129,7 @@ def train_sft(
             )
             step += 1
             logged_seconds += time.perf_counter() - window_started  # training time only: no evals or saves
-            bar.update(1)
+            progress.advance()
             epoch_progress = epoch + (index + 1) / len(windows)
 
             if step % cfg.logging_steps == 0 or step == total:
@@ -155,7 +146,6 @@ def train_sft(
                     "elapsed_s": now - started,
                 }
                 run.log(row)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}")
                 say(
                     f"step {step}/{total} loss {row['loss']:.4f} lr {lr:.3e} grad_norm {row['grad_norm']:.3f} "
                     f"tokens/s {row['tokens_per_s']:.0f}"
@@ -187,5 +177,5 @@ def train_sft(
                 say(f"saved {path}")
         if step >= total:
             break
-    bar.close()
+    progress.close()
     return SftResult(steps=step, last_eval_loss=last_eval)
