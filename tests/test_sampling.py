@@ -117,3 +117,13 @@ def test_stops_by_token_id_and_by_string_include_the_stop(policy, word_tokenizer
         policy, word_tokenizer, [PROMPTS[1]], 1, SamplingParams(max_tokens=10, temperature=0, stop=word)
     )
     assert by_string.tokens == greedy.tokens[:cut] and by_string.stop_reason == "stop"
+
+
+def test_sampling_leaves_the_base_weights_bit_exact_and_the_adapter_on(policy, word_tokenizer):
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    sample_groups(policy, word_tokenizer, PROMPTS, 2, SamplingParams(max_tokens=4, seed=0))
+    after = dict(policy.named_parameters())
+    assert before.keys() == after.keys()
+    for name, value in before.items():
+        assert torch.equal(value, after[name]), name
+    assert all(not m.disable_adapters for m in policy.modules() if hasattr(m, "disable_adapters"))
