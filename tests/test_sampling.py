@@ -1,5 +1,6 @@
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
 from tiny_models import tiny_model
 
 from hanzo_gym.engine import Datum, Engine
@@ -121,9 +122,11 @@ def test_stops_by_token_id_and_by_string_include_the_stop(policy, word_tokenizer
 
 def test_sampling_leaves_the_base_weights_bit_exact_and_the_adapter_on(policy, word_tokenizer):
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    switches = [m.disable_adapters for m in policy.modules() if isinstance(m, LoraLayer)]
     sample_groups(policy, word_tokenizer, PROMPTS, 2, SamplingParams(max_tokens=4, seed=0))
     after = dict(policy.named_parameters())
     assert before.keys() == after.keys()
     for name, value in before.items():
         assert torch.equal(value, after[name]), name
-    assert all(not m.disable_adapters for m in policy.modules() if hasattr(m, "disable_adapters"))
+    assert [m.disable_adapters for m in policy.modules() if isinstance(m, LoraLayer)] == switches
+    assert switches and not any(switches)  # every LoRA layer is on again
