@@ -14,7 +14,7 @@ from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, starting_
 from hanzo_gym.config import Config
 from hanzo_gym.data.batching import epoch_order
 from hanzo_gym.data.prompts import Prompt
-from hanzo_gym.engine import AdamParams, Engine
+from hanzo_gym.engine import Engine
 from hanzo_gym.rewards import Completion, RewardFunction, parse_reward, score_completions
 from hanzo_gym.rl_math import (
     group_advantages,
@@ -27,7 +27,7 @@ from hanzo_gym.rl_math import (
 )
 from hanzo_gym.rundir import Progress, RunDir
 from hanzo_gym.sampling import SamplingParams
-from hanzo_gym.schedule import lr_at
+from hanzo_gym.schedule import adam_params
 
 
 @dataclass
@@ -104,7 +104,6 @@ def train_grpo(
         if cfg.max_steps is None
         else min(cfg.max_steps, cfg.num_epochs * per_epoch)
     )
-    warmup = cfg.warmup(total)
     plan = {
         **adapter_fingerprint(cfg),
         "train_prompts": len(train),
@@ -152,54 +151,19 @@ def train_grpo(
             ]
             advantages_G = group_advantages(rewards_G, trl.reward_scaling)
 
-            # Which completions train: not from a constant group (when asked), not truncated (when asked).
             samples = [s for group in groups for s in group]
             advantages = [a for group in advantages_G for a in group]
-            keep = [True] * len(samples)
-            for g, group_rewards in enumerate(rewards_G):
-                if trl.remove_constant_reward_groups and is_constant(group_rewards):
-                    for i in range(g * trl.num_generations, (g + 1) * trl.num_generations):
-                        keep[i] = False
-            if trl.mask_truncated_completions:
-                keep = [k and s.stop_reason == "stop" for k, s in zip(keep, samples)]
-            lengths = [len(s.tokens) if k else 0 for s, k in zip(samples, keep)]
-            token_weights = loss_type_weights(lengths, trl.loss_type, trl.max_completion_length)
-            prompt_of = [prompts[i // trl.num_generations] for i in range(len(samples))]
-            chosen = [i for i, k in enumerate(keep) if k and samples[i].tokens]
-            datums = [
-                rl_datum(
-                    prompt_of[i].tokens,
-                    samples[i].tokens,
-                    samples[i].logprobs,
-                    advantages[i] * token_weights[i],
-                )
-                for i in chosen
-            ]
-            if trl.beta > 0 and datums:
-                for i, datum, ref in zip(chosen, datums, engine.forward(datums, reference=True)):
-                    datum.loss_fn_inputs["ref_logprobs"] = ref
-                    datum.loss_fn_inputs["kl_weights"] = [0.0] * (len(datum) - len(samples[i].tokens)) + [
-                        trl.beta * token_weights[i]
-                    ] * len(samples[i].tokens)
-
-            lr = lr_at(step, total, cfg.learning_rate, warmup, cfg.lr_scheduler)
-            adam = AdamParams(
-                learning_rate=lr,
-                beta1=0.9,
-                beta2=0.999,
-                eps=1e-8,
-                weight_decay=cfg.weight_decay,
-                grad_clip_norm=cfg.max_grad_norm,
-            )
-            row: dict[str, float] = {}
+            chosen, datums = _training_datums(prompts, samples, advantages, rewards_G, trl, engine)
+            adam = adam_params(cfg, step, total)
+            lr = adam.learning_rate
+            train_metrics: dict[str, float] = {}
             has_signal = any(advantages[i] != 0 for i in chosen) or (trl.beta > 0 and bool(datums))
             for iteration in range(trl.num_iterations if has_signal else 0):
                 out = engine.forward_backward(datums, trl.loss_fn, _loss_config(cfg))
                 stats = engine.optim_step(adam)
                 if iteration == 0:
-                    row.update(_train_metrics(out, datums, chosen, samples, advantages, trl, cfg))
-                    row["loss"] = out.loss_sum
-                    row["grad_norm"] = stats["grad_norm"]
+                    train_metrics = _train_metrics(out, datums, chosen, samples, advantages, trl, cfg)
+                    train_metrics.update(loss=out.loss_sum, grad_norm=stats["grad_norm"])
             step += 1
             progress.advance()
             train_seconds = time.perf_counter() - clock
@@ -210,7 +174,7 @@ def train_grpo(
                 "lr": lr,
                 "loss": 0.0,
                 "grad_norm": 0.0,
-                **row,
+                **train_metrics,
                 **_reward_metrics(rewards_G, per_function, samples),
                 "time/sample": sample_seconds,
                 "time/train": train_seconds,
@@ -237,6 +201,38 @@ def train_grpo(
             break
     progress.close()
     return GrpoResult(steps=step, last_eval=last_eval)
+
+
+def _training_datums(prompts, samples, advantages, rewards_G, trl, engine) -> tuple[list[int], list]:
+    """The completions that train (not from a constant group / not truncated, when asked) as RL datums, with
+    TRL's loss-type normalisation folded into their advantages and, when beta > 0, the base model's logprobs
+    for the KL penalty. Returns the indices of those completions and their datums."""
+    group = trl.num_generations
+    keep = [
+        not (trl.remove_constant_reward_groups and is_constant(rewards_G[i // group]))
+        and not (trl.mask_truncated_completions and sample.stop_reason != "stop")
+        for i, sample in enumerate(samples)
+    ]
+    lengths = [len(s.tokens) if k else 0 for s, k in zip(samples, keep)]
+    token_weights = loss_type_weights(lengths, trl.loss_type, trl.max_completion_length)
+    chosen = [i for i, k in enumerate(keep) if k and samples[i].tokens]
+    datums = [
+        rl_datum(
+            prompts[i // group].tokens,
+            samples[i].tokens,
+            samples[i].logprobs,
+            advantages[i] * token_weights[i],
+        )
+        for i in chosen
+    ]
+    if trl.beta > 0 and datums:
+        for i, datum, reference in zip(chosen, datums, engine.forward(datums, reference=True)):
+            completion = len(samples[i].tokens)
+            datum.loss_fn_inputs["ref_logprobs"] = reference
+            datum.loss_fn_inputs["kl_weights"] = [0.0] * (len(datum) - completion) + [
+                trl.beta * token_weights[i]
+            ] * completion
+    return chosen, datums
 
 
 def _reward_metrics(

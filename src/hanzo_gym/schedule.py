@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 
+from hanzo_gym.config import Config
+from hanzo_gym.engine import AdamParams
+
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_steps: int, kind: str) -> float:
     """The learning rate for 0-based optimizer step `step` of `total_steps`."""
@@ -17,3 +20,16 @@ def lr_at(step: int, total_steps: int, peak: float, warmup_steps: int, kind: str
     if kind == "constant":
         return peak
     raise ValueError(f"unknown lr_scheduler {kind!r}")
+
+
+def adam_params(cfg: Config, step: int, total_steps: int) -> AdamParams:
+    """The optimizer settings of optimizer step `step`: the scheduled learning rate, the config's weight decay
+    and clip norm, and AdamW's usual moments (β 0.9 / 0.999, ε 1e-8) rather than Tinker's RL defaults."""
+    return AdamParams(
+        learning_rate=lr_at(step, total_steps, cfg.learning_rate, cfg.warmup(total_steps), cfg.lr_scheduler),
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=cfg.weight_decay,
+        grad_clip_norm=cfg.max_grad_norm,
+    )

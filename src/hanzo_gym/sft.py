@@ -15,9 +15,9 @@ from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, starting_
 from hanzo_gym.config import Config
 from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
 from hanzo_gym.data.example import Example
-from hanzo_gym.engine import AdamParams, Engine
+from hanzo_gym.engine import Engine
 from hanzo_gym.rundir import Progress, RunDir
-from hanzo_gym.schedule import lr_at
+from hanzo_gym.schedule import adam_params
 
 
 @dataclass
@@ -72,7 +72,6 @@ def train_sft(
     total = cfg.num_epochs * steps_per_epoch
     if cfg.max_steps is not None:
         total = min(total, cfg.max_steps)
-    warmup = cfg.warmup(total)
     plan = _plan_fingerprint(cfg, train)
 
     position = starting_position(engine, run, plan, resume_from)
@@ -116,17 +115,9 @@ def train_sft(
                 logged_nll += engine.forward_backward(datums, "cross_entropy").loss_sum * trained
                 logged_tokens += sum(len(train[i]) for i in batch)
             logged_trained += trained
-            lr = lr_at(step, total, cfg.learning_rate, warmup, cfg.lr_scheduler)
-            stats = engine.optim_step(
-                AdamParams(
-                    learning_rate=lr,
-                    beta1=0.9,
-                    beta2=0.999,
-                    eps=1e-8,
-                    weight_decay=cfg.weight_decay,
-                    grad_clip_norm=cfg.max_grad_norm,
-                )
-            )
+            adam = adam_params(cfg, step, total)
+            lr = adam.learning_rate
+            stats = engine.optim_step(adam)
             step += 1
             logged_seconds += time.perf_counter() - window_started  # training time only: no evals or saves
             progress.advance()
