@@ -208,3 +208,36 @@ def test_architectures_that_ignore_packing_get_one_datum_per_pass():
     for want, got in zip(references, engine.forward([_datum(s) for s in seqs])):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert Engine(_lora("qwen3")).packs_datums and Engine(_lora("llama")).packs_datums
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_datums_sharing_a_prompt_score_and_train_as_if_alone(kind):
+    g = torch.Generator().manual_seed(9)
+    prompt_a = torch.randint(3, VOCAB, (20,), generator=g).tolist()
+    prompt_b = torch.randint(3, VOCAB, (18,), generator=g).tolist()
+    tails = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 1, 7, 4)]
+    seqs = [
+        prompt_a + tails[0],
+        prompt_a + tails[1],
+        prompt_a + tails[2],
+        prompt_b + tails[3],
+        prompt_b + tails[4],
+    ]
+    weights = [[0.0] * (len(s) - 1 - 3) + [0.2] * 3 for s in seqs]
+    datums = [_datum(s, w) for s, w in zip(seqs, weights)]
+
+    shared = Engine(_lora(kind), max_tokens_per_pass=10_000)
+    from hanzo_gym.prefix_sharing import shared_layout
+
+    layout = shared_layout([d.model_input for d in datums], torch.device("cpu"))
+    assert layout is not None and len(layout.tokens) == 20 + 5 + 9 + 1 + 18 + 7 + 4 - 5  # each prompt once
+    out = shared.forward_backward(datums)
+    shared_grads = [p.grad.clone() for p in shared.trainable]
+
+    alone = Engine(_lora(kind), max_tokens_per_pass=1)  # one datum per pass: nothing shared
+    reference = alone.forward_backward(datums)
+    assert out.loss_sum == pytest.approx(reference.loss_sum, rel=1e-5)
+    for a, b in zip(out.logprobs, reference.logprobs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(shared_grads, [p.grad for p in alone.trainable]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

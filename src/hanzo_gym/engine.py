@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.errors import GymError
 from hanzo_gym.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
+from hanzo_gym.prefix_sharing import shared_layout
 from hanzo_gym.sampling import SampledSequence, SamplingParams, sample_groups
 from hanzo_gym.token_logprobs import token_logprobs
 
@@ -80,6 +81,7 @@ class Engine:
             raise GymError(f"{config.model_type}: output logits with `{scaled[0]}` are not supported yet")
         self._decoder = causal_lm.get_decoder()
         self._output_weight = causal_lm.get_output_embeddings().weight
+        self.packs_datums = False  # the check below scores on the plain path
         self.packs_datums = self._packing_is_exact()
         if not self.packs_datums:
             warnings.warn(
@@ -189,13 +191,23 @@ class Engine:
     def _packed_logprobs(self, datums: list[Datum]) -> tuple[torch.Tensor, torch.Tensor]:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
         blocks that never cross datums (it infers them only when no cache is passed)."""
+        targets = self._concat(datums, "target_tokens", torch.long)
+        shared = shared_layout([d.model_input for d in datums], self.device) if self.packs_datums else None
+        if shared is not None:
+            output = self._decoder(
+                input_ids=shared.tokens[None],
+                position_ids=shared.positions[None],
+                attention_mask=shared.mask[None, None],
+                use_cache=False,
+            )
+            hidden = output.last_hidden_state[0].index_select(0, shared.index)
+            return token_logprobs(hidden, self._output_weight, targets, self.logprob_chunk)
         tokens = torch.tensor([t for d in datums for t in d.model_input], device=self.device)
         positions = torch.cat([torch.arange(len(d), device=self.device) for d in datums])[None]
         # A lone datum takes the model's own default positions (some, like OPT, offset them internally).
         output = self._decoder(
             input_ids=tokens[None], position_ids=positions if len(datums) > 1 else None, use_cache=False
         )
-        targets = self._concat(datums, "target_tokens", torch.long)
         return token_logprobs(output.last_hidden_state[0], self._output_weight, targets, self.logprob_chunk)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
