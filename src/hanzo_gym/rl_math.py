@@ -68,10 +68,6 @@ def rl_datum(
     )
 
 
-def completion_slice(datum: Datum, completion_length: int) -> slice:
-    return slice(len(datum) - completion_length, len(datum))
-
-
 def sample_train_metrics(
     sampled: Sequence[torch.Tensor],
     trained: Sequence[torch.Tensor],

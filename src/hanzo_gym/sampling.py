@@ -188,7 +188,15 @@ def sample_groups(
             mask[row, longest - len(prompt) :] = 1
         cache = DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        # Only the last position's logits are needed: a [prompts, length, vocab] tensor is not.
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache.batch_repeat_interleave(num_samples)
         logits = out.logits[:, -1].float().repeat_interleave(num_samples, dim=0)
         mask = mask.repeat_interleave(num_samples, dim=0)

@@ -62,6 +62,8 @@ def run_training(cfg: Config) -> SftResult | GrpoResult:
     if cfg.rl == "grpo":
         data = load_prompts(cfg, tokenizer)
         what = "prompts"
+        if data.dropped:
+            print(f"dropped {data.dropped} prompts longer than sequence_len {cfg.sequence_len}", flush=True)
     else:
         data = load_examples(cfg, tokenizer)
         what = "examples"
