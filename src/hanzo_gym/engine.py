@@ -66,10 +66,9 @@ class Engine:
         self.device = next(model.parameters()).device
         self.max_tokens_per_pass = max_tokens_per_pass or default_tokens_per_pass(self.device)
         self.logprob_chunk = logprob_chunk
+        # Captured now: a model host may later add adapters whose parameters belong to other engines.
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        if not self.trainable:
-            raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0) if self.trainable else None
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = causal_lm.config
         scaled = [
@@ -113,9 +112,11 @@ class Engine:
     ) -> ForwardBackwardOutput:
         """Accumulate the gradient of the summed loss into the adapter; return the loss sum, logprobs and the
         policy's per-token entropies."""
+        if not self.trainable:
+            raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
         if loss_fn not in LOSS_FNS:
             raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
-        _check_inputs(datums, loss_fn)
+        check_loss_inputs(datums, loss_fn)
         self.model.train()
         loss_sum = 0.0
         logprobs: list[torch.Tensor] = []
@@ -247,7 +248,7 @@ def _as_tensor(value: torch.Tensor | list, dtype: torch.dtype, length: int) -> t
     return tensor
 
 
-def _check_inputs(datums: list[Datum], loss_fn: str) -> None:
+def check_loss_inputs(datums: list[Datum], loss_fn: str) -> None:
     # the optional inputs come as a set: all of them on every datum, or none anywhere
     wanted = any(k in d.loss_fn_inputs for d in datums for k in OPTIONAL_INPUTS)
     optional = OPTIONAL_INPUTS if wanted else ()

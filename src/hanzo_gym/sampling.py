@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -150,8 +150,10 @@ def sample_groups(
     prompts: Sequence[Sequence[int]],
     num_samples: int,
     params: SamplingParams,
+    on_step: Callable[[list[int], list[int]], None] | None = None,
 ) -> list[list[SampledSequence]]:
-    """`num_samples` completions for each prompt; result[i][j] is sample j of prompt i."""
+    """`num_samples` completions for each prompt; result[i][j] is sample j of prompt i. `on_step(rows, tokens)`
+    hears each step's new tokens (row = prompt index × num_samples + sample index), for streaming."""
     if not prompts or num_samples < 1:
         return [[] for _ in prompts]
     if any(len(p) == 0 for p in prompts):
@@ -224,6 +226,8 @@ def sample_groups(
             done = torch.isin(live_chosen, stop_ids_t) | stop_strings_finder.hits(
                 live_chosen, live_rows, tokens, step
             )
+            if on_step is not None:
+                on_step(live_rows.tolist(), live_chosen.tolist())
             lengths[live_rows[done]] = step + 1
             stopped[live_rows[done]] = True
             live[live.nonzero().flatten()[done]] = False

@@ -1,0 +1,179 @@
+"""One base model in memory with any number of named LoRA adapters, used one operation at a time.
+
+The Tinker-style clients and `gym serve` keep a host per base model: a training client owns one adapter, every
+sampling client another (a snapshot of some weights), and a served model name is an adapter too. Switching is
+a `set_adapter` call, so a new sampling client per training step costs a copy of the adapter, never a second
+copy of the base model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from hanzo_gym.engine import Engine
+from hanzo_gym.errors import ModelError
+from hanzo_gym.model.hub import load_causal_lm, load_tokenizer
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def pick_device_and_dtype(bf16: str | bool = "auto") -> tuple[torch.device, torch.dtype]:
+    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    use_bf16 = device.type == "cuda" if bf16 == "auto" else bool(bf16)
+    return device, torch.bfloat16 if use_bf16 else torch.float32
+
+
+class ModelHost:
+    def __init__(self, base_model: str, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        auto_device, auto_dtype = pick_device_and_dtype()
+        self.base_model = base_model
+        self.tokenizer = load_tokenizer(base_model)
+        self.model = load_causal_lm(base_model, dtype or auto_dtype).to(device or auto_device)
+        self.model.requires_grad_(False)
+        self.linear_layers = linear_layer_paths(self.model)
+        self.lock = threading.RLock()
+        self._names = itertools.count()
+        self._retired: list[str] = []
+        # Scores for whichever adapter is active (or none); it trains nothing.
+        self.scorer = Engine(self.model, self.tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.scorer.device
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self.model.peft_config) if isinstance(self.model, PeftModel) else []
+
+    def new_name(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._names)}"
+
+    def add_adapter(self, name: str, config: LoraConfig) -> None:
+        """A fresh adapter (A random from torch's generator, B zero), made the active one."""
+        with self.lock, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            self._drop_retired()
+            if name in self.adapters:
+                raise ModelError(f"an adapter named `{name}` is already loaded")
+            try:
+                if isinstance(self.model, PeftModel):
+                    self.model.add_adapter(name, config)
+                else:
+                    self.model = get_peft_model(self.model, config, adapter_name=name)
+            except ValueError as exc:
+                raise ModelError(f"cannot attach LoRA to {self.base_model}: {exc}") from None
+            self.model.peft_config[name].base_model_name_or_path = self.base_model
+            self.scorer.model = self.model
+            self.activate(name)
+
+    def load_adapter(self, name: str, directory: str | Path) -> None:
+        """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) as adapter `name`."""
+        config, weights = read_adapter(directory)
+        with self.lock:
+            self.add_adapter(name, config)
+            self.set_weights(name, weights)
+
+    def set_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
+        with self.lock, torch.no_grad():
+            moved = {k: v.to(self.device) for k, v in weights.items()}
+            result = set_peft_model_state_dict(self.model, moved, adapter_name=name)
+            unexpected = getattr(result, "unexpected_keys", [])
+            if unexpected:
+                raise ModelError(
+                    f"adapter weights do not match adapter `{name}` (unexpected {unexpected[:3]})"
+                )
+
+    def weights(self, name: str) -> dict[str, torch.Tensor]:
+        """A CPU copy of adapter `name`'s weights, keyed as in adapter_model.safetensors."""
+        with self.lock:
+            state = get_peft_model_state_dict(self.model, adapter_name=name)
+            return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+    def config(self, name: str) -> LoraConfig:
+        return self.model.peft_config[name]
+
+    def save_adapter(self, name: str, directory: Path) -> None:
+        """Adapter `name` as a plain PEFT directory (what peft, transformers and vLLM load)."""
+        weights = self.weights(name)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(directory / ADAPTER_WEIGHTS))
+        config = self.config(name).to_dict()
+        config["peft_type"] = "LORA"
+        config["target_modules"] = sorted(config["target_modules"] or [])
+        (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, default=str) + "\n")
+
+    def retire(self, name: str) -> None:
+        """Forget adapter `name` at the next operation. Safe from any thread, a finalizer included."""
+        self._retired.append(name)
+
+    def activate(self, name: str | None) -> None:
+        if name is None:
+            return
+        if name not in self.adapters:
+            raise ModelError(f"no adapter named `{name}` is loaded (loaded: {', '.join(self.adapters)})")
+        self.model.set_adapter(name)
+
+    @contextlib.contextmanager
+    def using(self, name: str | None) -> Iterator[torch.nn.Module]:
+        """Hold the host with adapter `name` active; `None` is the base model with every adapter off."""
+        with self.lock:
+            self._drop_retired()
+            if name is None and isinstance(self.model, PeftModel):
+                with self.model.disable_adapter():
+                    yield self.model
+            else:
+                self.activate(name)
+                yield self.model
+
+    def _drop_retired(self) -> None:
+        while self._retired:
+            name = self._retired.pop()
+            if name in self.adapters and len(self.adapters) > 1:
+                with warnings.catch_warnings():
+                    # "adapter … was active which is now deleted": every operation activates its own adapter.
+                    warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+                    self.model.delete_adapter(name)
+            elif name in self.adapters:
+                # peft cannot delete the last adapter: zero it so that nothing of it is left to use.
+                self.set_weights(name, {k: torch.zeros_like(v) for k, v in self.weights(name).items()})
+
+
+def linear_layer_paths(model: torch.nn.Module) -> dict[str, str]:
+    """Module path → short name of every linear layer but the output projection, read before any adapter
+    wraps them."""
+    from transformers.pytorch_utils import Conv1D
+
+    output = model.get_output_embeddings()
+    return {
+        path: path.rsplit(".", 1)[-1]
+        for path, module in model.named_modules()
+        if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not output
+    }
+
+
+def read_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    directory = Path(directory)
+    config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ModelError(
+            f"{directory} is not a PEFT adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
+        )
+    fields = json.loads(config_file.read_text())
+    if fields.get("peft_type", "LORA") != "LORA":
+        raise ModelError(f"{config_file}: peft_type {fields['peft_type']} is not LoRA")
+    known = set(LoraConfig.__dataclass_fields__)
+    config = LoraConfig(**{k: v for k, v in fields.items() if k in known and k != "peft_type"})
+    return config, load_file(str(weights_file))

@@ -1,0 +1,111 @@
+"""Sampling requests from many threads, decoded together: requests that wait at the same time, for the same
+adapter, sample count and parameters, become one batch for the sampler (one prefill per prompt, one decode
+loop for all of them). Seeded requests run alone, so a seed reproduces its own result whatever else is queued.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hanzo_gym.model.host import ModelHost
+from hanzo_gym.sampling import SampledSequence, SamplingParams, sample_groups
+
+MAX_PROMPTS_PER_BATCH = 64
+
+
+@dataclass
+class _Request:
+    adapter: str | None
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    future: concurrent.futures.Future
+    on_token: Callable[[int, int], None] | None  # (sample index, token) as each token is drawn
+
+    def batch_key(self) -> tuple | None:
+        if self.params.seed is not None or self.on_token is not None:
+            return None
+        p = self.params
+        stop = tuple(p.stop) if isinstance(p.stop, (list, tuple)) else p.stop
+        return (self.adapter, self.num_samples, p.max_tokens, stop, p.temperature, p.top_k, p.top_p)
+
+
+class SampleBatcher:
+    def __init__(self, host: ModelHost):
+        self.host = host
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._wakeup = threading.Condition()
+        self._thread = threading.Thread(target=self._serve, name="hanzo-gym-sampler", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        adapter: str | None,
+        prompt: Sequence[int],
+        num_samples: int,
+        params: SamplingParams,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> concurrent.futures.Future[list[SampledSequence]]:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        request = _Request(adapter, list(prompt), num_samples, params, future, on_token)
+        with self._wakeup:
+            self._queue.append(request)
+            self._wakeup.notify()
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._queue:
+                    self._wakeup.wait()
+                batch = self._take_batch()
+            self._run(batch)
+
+    def _take_batch(self) -> list[_Request]:
+        first = self._queue.popleft()
+        key = first.batch_key()
+        batch = [first]
+        if key is None:
+            return batch
+        kept: collections.deque[_Request] = collections.deque()
+        while self._queue:
+            request = self._queue.popleft()
+            if request.batch_key() == key and len(batch) < MAX_PROMPTS_PER_BATCH:
+                batch.append(request)
+            else:
+                kept.append(request)
+        self._queue = kept
+        return batch
+
+    def _run(self, batch: list[_Request]) -> None:
+        batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
+        if not batch:
+            return
+        first = batch[0]
+        on_step = None
+        if first.on_token is not None:
+
+            def on_step(rows: list[int], tokens: list[int]) -> None:
+                for row, token in zip(rows, tokens):
+                    first.on_token(row, token)
+
+        try:
+            with self.host.using(first.adapter) as model:
+                groups = sample_groups(
+                    model,
+                    self.host.tokenizer,
+                    [r.prompt for r in batch],
+                    first.num_samples,
+                    first.params,
+                    on_step=on_step,
+                )
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear about the failure
+            for request in batch:
+                request.future.set_exception(exc)
+            return
+        for request, group in zip(batch, groups):
+            request.future.set_result(group)

@@ -1,0 +1,129 @@
+"""SamplingClient: completions and prompt log-probabilities from a fixed set of weights (a sampler checkpoint, a
+snapshot of a training client, or the base model)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from hanzo_gym.engine import Datum as EngineDatum
+from hanzo_gym.errors import GymError
+from hanzo_gym.model.host import ModelHost
+from hanzo_gym.model.sample_batcher import SampleBatcher
+from hanzo_gym.model_input import ModelInput
+from hanzo_gym.sampling import SamplingParams
+from hanzo_gym.tinker.futures import APIFuture, OrderedWorker
+from hanzo_gym.tinker.types import SampleResponse
+
+T = TypeVar("T")
+
+
+class SamplingClient:
+    def __init__(self, host: ModelHost, batcher: SampleBatcher, adapter: str | None, owns_adapter: bool):
+        self._host = host
+        self._batcher = batcher
+        self._adapter = adapter  # None: the base model
+        self._scoring = OrderedWorker("hanzo-gym-scoring")
+        if owns_adapter and adapter is not None:
+            # The adapter slot lives as long as this client; many are created in a loop, one per step.
+            weakref.finalize(self, host.retire, adapter)
+
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int,
+        sampling_params: SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> APIFuture[SampleResponse]:
+        tokens = _prompt_tokens(prompt)
+        if num_samples < 1:
+            raise GymError(f"num_samples must be at least 1 (got {num_samples})")
+        sequences = self._batcher.submit(self._adapter, tokens, num_samples, sampling_params)
+        if not include_prompt_logprobs and topk_prompt_logprobs <= 0:
+            return APIFuture(_mapped(sequences, lambda seqs: SampleResponse(sequences=seqs)))
+        scores = self._scoring.submit(
+            self._prompt_scores, tokens, include_prompt_logprobs, topk_prompt_logprobs
+        )
+
+        def combine(seqs: list) -> SampleResponse:
+            prompt_logprobs, topk = scores.result()
+            return SampleResponse(sequences=seqs, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk)
+
+        return APIFuture(_mapped(sequences, combine))
+
+    async def sample_async(self, *args: Any, **kwargs: Any) -> SampleResponse:
+        return await self.sample(*args, **kwargs)
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        """log p(token_i | tokens before i) for every prompt token; element 0 is None (nothing precedes it)."""
+        tokens = _prompt_tokens(prompt)
+        return self._scoring.submit(lambda: self._prompt_scores(tokens, True, 0)[0])
+
+    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
+        return await self.compute_logprobs(prompt)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._host.tokenizer
+
+    def get_base_model(self) -> str:
+        return self._host.base_model
+
+    async def get_base_model_async(self) -> str:
+        return self.get_base_model()
+
+    def _prompt_scores(
+        self, tokens: list[int], logprobs: bool, topk: int
+    ) -> tuple[list[float | None] | None, list[list[tuple[int, float]] | None] | None]:
+        if len(tokens) < 2:
+            return ([None] if logprobs else None), ([None] if topk > 0 else None)
+        prompt_logprobs = None
+        with self._host.using(self._adapter) as model:
+            if logprobs:
+                datum = EngineDatum(tokens[:-1], {"target_tokens": tokens[1:]})
+                scored = self._host.scorer.forward([datum])[0].tolist()
+                prompt_logprobs = [None, *scored]
+            topk_lists = None
+            if topk > 0:
+                was_training = model.training
+                model.eval()
+                try:
+                    with torch.no_grad():
+                        ids = torch.tensor([tokens[:-1]], device=self._host.device)
+                        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+                finally:
+                    model.train(was_training)
+                values, indices = logits.log_softmax(-1).topk(topk, dim=-1)
+                topk_lists = [None] + [
+                    list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
+                ]
+        return prompt_logprobs, topk_lists
+
+
+def _prompt_tokens(prompt: ModelInput) -> list[int]:
+    if not isinstance(prompt, ModelInput):
+        raise GymError(
+            f"prompt must be a ModelInput (ModelInput.from_ints(tokens)), not {type(prompt).__name__}"
+        )
+    tokens = prompt.to_ints()
+    if not tokens:
+        raise GymError("the prompt is empty: sampling needs at least one token")
+    return tokens
+
+
+def _mapped(future: concurrent.futures.Future, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def finish(done: concurrent.futures.Future) -> None:
+        try:
+            out.set_result(fn(done.result()))
+        except BaseException as exc:  # noqa: BLE001 - the caller's future carries it
+            out.set_exception(exc)
+
+    future.add_done_callback(finish)
+    return out

@@ -1,0 +1,281 @@
+"""TrainingClient: one LoRA adapter on a shared base model, trained through Tinker's primitives.
+
+Every call returns a future at once and runs on the client's own worker in submission order, so
+`forward_backward` then `optim_step` submitted back to back behave like the same calls awaited one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from hanzo_gym.engine import AdamParams, Engine, check_loss_inputs
+from hanzo_gym.engine import Datum as EngineDatum
+from hanzo_gym.errors import GymError
+from hanzo_gym.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
+from hanzo_gym.model.host import ModelHost, read_adapter
+from hanzo_gym.tinker import paths
+from hanzo_gym.tinker.futures import APIFuture, OrderedWorker
+from hanzo_gym.tinker.types import (
+    Datum,
+    ForwardBackwardOutput,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    ModelData,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    logprobs_output,
+)
+
+if TYPE_CHECKING:
+    from hanzo_gym.tinker.sampling_client import SamplingClient
+    from hanzo_gym.tinker.service_client import ServiceClient
+
+OPTIMIZER_STATE = "optimizer.pt"
+CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainingClient:
+    def __init__(self, service: ServiceClient, host: ModelHost, adapter: str, run_id: str):
+        self._service = service
+        self._host = host
+        self._adapter = adapter
+        self.run_id = run_id
+        with host.using(adapter) as model:
+            self._engine = Engine(model, host.tokenizer)
+        self._worker = OrderedWorker(f"hanzo-gym-{run_id}")
+
+    # -- training ---------------------------------------------------------------------------------------
+    def forward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """The loss and per-token logprobs of `forward_backward`, without touching the gradients."""
+        return self._submit(self._forward, list(data), loss_fn, loss_fn_config)
+
+    def forward_backward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Add the gradient of the summed loss to what earlier calls accumulated, until `optim_step`."""
+        return self._submit(self._forward_backward, list(data), loss_fn, loss_fn_config)
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn, *, loss_type_input: str = "logprobs"
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Any differentiable function of the per-token logprobs: its gradient is carried back through a
+        weighted cross-entropy pass (weights = -dLoss/dlogprobs), as Tinker does it."""
+        if loss_type_input != "logprobs":
+            raise GymError(f"loss_type_input {loss_type_input!r}: only 'logprobs' is supported")
+        return self._submit(self._forward_backward_custom, list(data), loss_fn)
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        return self._submit(lambda: OptimStepResponse(metrics=self._engine.optim_step(adam_params)))
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def save_state(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+    ) -> APIFuture[SaveWeightsResponse]:
+        """Adapter + AdamW moments under gym://<run>/weights/<name>: `load_state_with_optimizer` resumes
+        exactly. `ttl_seconds` is accepted and ignored: local checkpoints never expire."""
+        path = paths.checkpoint_path(self.run_id, "weights", name)
+        return self._submit(self._save, path, True, overwrite, SaveWeightsResponse)
+
+    def save_weights_for_sampler(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """The adapter as a PEFT directory under gym://<run>/sampler_weights/<name> (peft and vLLM load it)."""
+        path = paths.checkpoint_path(self.run_id, "sampler_weights", name)
+        return self._submit(self._save, path, False, True, SaveWeightsForSamplerResponse)
+
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """The weights of a checkpoint; the optimizer starts fresh (use load_state_with_optimizer to resume)."""
+        return self._submit(self._load, path, False)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return self._submit(self._load, path, True)
+
+    def save_weights_and_get_sampling_client(
+        self, name: str | None = None, retry_config: Any = None
+    ) -> SamplingClient:
+        """A sampling client over a snapshot of the current weights (after every call submitted before)."""
+        return self._submit(self._snapshot).result()
+
+    def create_sampling_client(self, model_path: str, retry_config: Any = None) -> SamplingClient:
+        return self._service.create_sampling_client(model_path=model_path)
+
+    # -- information ---------------------------------------------------------------------------------------
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._host.tokenizer
+
+    def get_info(self) -> GetInfoResponse:
+        config = self._host.config(self._adapter)
+        arch = getattr(self._host.model.config, "model_type", "unknown")
+        name = self._host.base_model
+        return GetInfoResponse(
+            model_data=ModelData(arch=arch, model_name=name, tokenizer_id=name),
+            model_id=self.run_id,
+            is_lora=True,
+            lora_rank=int(config.r),
+            model_name=name,
+        )
+
+    # -- async twins: each returns the future once submitted (Tinker's "double await") ---------------------
+    async def forward_async(self, *args: Any, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward(*args, **kwargs)
+
+    async def forward_backward_async(self, *args: Any, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward_backward(*args, **kwargs)
+
+    async def forward_backward_custom_async(
+        self, *args: Any, **kwargs: Any
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward_backward_custom(*args, **kwargs)
+
+    async def optim_step_async(self, *args: Any, **kwargs: Any) -> APIFuture[OptimStepResponse]:
+        return self.optim_step(*args, **kwargs)
+
+    async def save_state_async(self, *args: Any, **kwargs: Any) -> APIFuture[SaveWeightsResponse]:
+        return self.save_state(*args, **kwargs)
+
+    async def load_state_async(self, *args: Any, **kwargs: Any) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state(*args, **kwargs)
+
+    async def load_state_with_optimizer_async(
+        self, *args: Any, **kwargs: Any
+    ) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state_with_optimizer(*args, **kwargs)
+
+    async def save_weights_for_sampler_async(
+        self, *args: Any, **kwargs: Any
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        return self.save_weights_for_sampler(*args, **kwargs)
+
+    async def save_weights_and_get_sampling_client_async(self, *args: Any, **kwargs: Any) -> SamplingClient:
+        return await APIFuture(self._worker.submit(self._snapshot)._future)
+
+    async def get_info_async(self) -> GetInfoResponse:
+        return self.get_info()
+
+    # -- work, on the worker thread with this client's adapter active ------------------------------------
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> APIFuture:
+        def run() -> Any:
+            with self._host.using(self._adapter):
+                return fn(*args)
+
+        return self._worker.submit(run)
+
+    def _forward(self, data: list[Datum], loss_fn: str, config: dict | None) -> ForwardBackwardOutput:
+        datums = _engine_datums(data, loss_fn)
+        logprobs = self._engine.forward(datums)
+        keys = [*REQUIRED_INPUTS[loss_fn], *(k for k in OPTIONAL_INPUTS if k in datums[0].loss_fn_inputs)]
+        inputs = {k: torch.cat([d.loss_fn_inputs[k].float() for d in datums]) for k in keys}
+        loss = LOSS_FNS[loss_fn](torch.cat(logprobs), inputs, config or {}).item()
+        return ForwardBackwardOutput(loss_fn, logprobs_output(logprobs), {"loss:sum": loss})
+
+    def _forward_backward(
+        self, data: list[Datum], loss_fn: str, config: dict | None
+    ) -> ForwardBackwardOutput:
+        out = self._engine.forward_backward(_engine_datums(data, loss_fn), loss_fn, config)
+        return ForwardBackwardOutput(loss_fn, logprobs_output(out.logprobs), {"loss:sum": out.loss_sum})
+
+    def _forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> ForwardBackwardOutput:
+        for index, datum in enumerate(data):
+            extra = set(datum.loss_fn_inputs) - {"target_tokens", "weights"}
+            if "target_tokens" not in datum.loss_fn_inputs or extra:
+                raise GymError(
+                    f"datum {index}: forward_backward_custom takes loss_fn_inputs target_tokens (and optionally "
+                    f"weights) only; got {sorted(datum.loss_fn_inputs)}"
+                )
+        datums = _engine_datums(data, "cross_entropy", need_weights=False)
+        leaves = [lp.clone().requires_grad_() for lp in self._engine.forward(datums)]
+        loss, metrics = loss_fn(data, leaves)
+        loss.backward()
+        weighted = [
+            EngineDatum(
+                d.model_input,
+                {
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "weights": -leaf.grad if leaf.grad is not None else torch.zeros(len(d)),
+                },
+            )
+            for d, leaf in zip(datums, leaves)
+        ]
+        out = self._engine.forward_backward(weighted, "cross_entropy")
+        return ForwardBackwardOutput(
+            "cross_entropy",
+            logprobs_output(out.logprobs),
+            {"loss:sum": out.loss_sum, **{k: float(v) for k, v in metrics.items()}},
+        )
+
+    def _save(self, path: str, with_optimizer: bool, overwrite: bool, response: type) -> Any:
+        destination = paths.resolve(path, self._service.root)
+        if destination.exists() and not overwrite:
+            raise GymError(f"{path} already exists; pick another name or pass overwrite=True")
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        # Written whole into a temporary sibling and renamed: a crash never leaves half a checkpoint.
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+        try:
+            self._host.save_adapter(self._adapter, staging)
+            self._host.tokenizer.save_pretrained(str(staging))
+            if with_optimizer:
+                torch.save(self._engine.optimizer.state_dict(), staging / OPTIMIZER_STATE)
+            (staging / "gym_checkpoint.json").write_text(
+                json.dumps({"base_model": self._host.base_model, "run_id": self.run_id, "path": path}) + "\n"
+            )
+            if destination.exists():
+                shutil.rmtree(destination)
+            staging.rename(destination)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return response(path=path)
+
+    def _load(self, path: str, with_optimizer: bool) -> LoadWeightsResponse:
+        directory = paths.resolve(path, self._service.root)
+        config, weights = read_adapter(directory)
+        mine = self._host.config(self._adapter)
+        if int(config.r) != int(mine.r) or set(config.target_modules or []) != set(mine.target_modules or []):
+            raise GymError(
+                f"{path}: adapter of rank {config.r} on {sorted(config.target_modules or [])} does not fit this "
+                f"client's rank {mine.r} on {sorted(mine.target_modules or [])}; use "
+                "ServiceClient.create_training_client_from_state to start from it"
+            )
+        self._host.set_weights(self._adapter, weights)
+        self._engine.optimizer.zero_grad(set_to_none=True)
+        if with_optimizer:
+            state_file = directory / OPTIMIZER_STATE
+            if not state_file.is_file():
+                raise GymError(
+                    f"{path} holds no optimizer state (a sampler checkpoint?); save it with save_state"
+                )
+            self._engine.optimizer.load_state_dict(torch.load(state_file, weights_only=False))
+        else:
+            self._engine.optimizer = torch.optim.AdamW(self._engine.trainable, lr=0.0)
+        return LoadWeightsResponse(path=path)
+
+    def _snapshot(self) -> SamplingClient:
+        name = self._host.new_name("snapshot")
+        self._host.add_adapter(name, self._host.config(self._adapter))
+        self._host.set_weights(name, self._host.weights(self._adapter))
+        return self._service._sampling_client(self._host, name, owns_adapter=True)
+
+
+def _engine_datums(data: list[Datum], loss_fn: str, need_weights: bool = True) -> list[EngineDatum]:
+    if not data:
+        raise GymError("no datums: pass at least one Datum")
+    if loss_fn not in LOSS_FNS:
+        raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
+    for index, datum in enumerate(data):
+        if not isinstance(datum, Datum):
+            raise GymError(f"datum {index} is a {type(datum).__name__}; build it with types.Datum(...)")
+    datums = [d.to_engine(i) for i, d in enumerate(data)]
+    if need_weights:
+        check_loss_inputs(datums, loss_fn)
+    return datums
