@@ -35,6 +35,12 @@ def _merge(args: argparse.Namespace) -> None:
     print(f"wrote merged model to {destination}")
 
 
+def _synth(args: argparse.Namespace) -> None:
+    from hanzo_gym.synth.console import run_synth_command
+
+    run_synth_command(args.design, preview=args.preview)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gym", description="hanzo-gym: LoRA SFT and RL post-training.")
     parser.add_argument("--version", action="version", version=f"hanzo-gym {__version__}")
@@ -53,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", help="destination folder (default: <output_dir>/merged)")
     merge.add_argument("--checkpoint", help="merge checkpoint-N instead of the final adapter")
     merge.set_defaults(handler=_merge)
+
+    synth = commands.add_parser(
+        "synth", help="generate a dataset from a design YAML (samplers, LLM columns, validators)"
+    )
+    synth.add_argument("design")
+    synth.add_argument(
+        "--preview", type=int, metavar="N", help="print N rows as JSON instead of writing `output`"
+    )
+    synth.set_defaults(handler=_synth)
     return parser
 
 
