@@ -324,3 +324,25 @@ def test_bad_requests_fail_with_a_message_that_says_what_to_do(service, tiny_dir
         service.create_lora_training_client(tiny_dir, train_mlp=False, train_attn=False)
     # The client still works after every failure.
     assert loss_of(client) > 0
+
+
+def test_cookbook_model_info_and_conversation_to_datum(tiny_dir, word_tokenizer):
+    from hanzo_gym.cookbook import model_info, renderers
+    from hanzo_gym.cookbook.supervised.data import conversation_to_datum
+
+    assert model_info.get_recommended_renderer_name("Qwen/Qwen3-8B") == "qwen3"
+    assert model_info.get_recommended_renderer_name(tiny_dir) == "chat_template"  # its tokenizer's ChatML
+    renderer = renderers.get_renderer("chat_template", word_tokenizer)
+    messages = [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine thanks"}]
+    model_input, weights = renderer.build_supervised_example(
+        messages, renderers.TrainOnWhat.LAST_ASSISTANT_MESSAGE
+    )
+    tokens = model_input.to_ints()
+    d = conversation_to_datum(messages, renderer, max_length=None, train_on_what="last_assistant_message")
+    assert d.model_input.to_ints() == tokens[:-1]
+    assert d.loss_fn_inputs["target_tokens"].tolist() == tokens[1:]
+    assert d.loss_fn_inputs["weights"].tolist() == weights.tolist()[1:]
+    trained = [t for t, w in zip(tokens[1:], weights.tolist()[1:]) if w]
+    assert word_tokenizer.decode(trained).startswith("fine thanks")
+    cut = conversation_to_datum(messages, renderer, max_length=5)
+    assert cut.model_input.length == 4

@@ -98,7 +98,9 @@ class ModelHost:
 
     def weights(self, name: str) -> dict[str, torch.Tensor]:
         """A CPU copy of adapter `name`'s weights, keyed as in adapter_model.safetensors."""
-        with self.lock:
+        with self.lock, warnings.catch_warnings():
+            # peft looks for the base's config.json to detect resized embeddings; hanzo-gym never resizes them.
+            warnings.filterwarnings("ignore", message="Could not find a config file")
             state = get_peft_model_state_dict(self.model, adapter_name=name)
             return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 

@@ -36,6 +36,8 @@ __all__ = [
 # renderer never pays for the others.
 _BUILT_IN: dict[str, tuple[str, str, dict[str, Any]]] = {
     "role_colon": ("hanzo_gym.renderers.role_colon", "RoleColonRenderer", {}),
+    # Whatever chat template the tokenizer carries (SmolLM2's ChatML, say), rendered through Jinja.
+    "chat_template": ("hanzo_gym.renderers.jinja", "JinjaRenderer", {}),
     "llama3": ("hanzo_gym.renderers.llama3", "Llama3Renderer", {}),
     "qwen3": ("hanzo_gym.renderers.qwen3", "Qwen3Renderer", {}),
     "qwen3_disable_thinking": ("hanzo_gym.renderers.qwen3", "Qwen3DisableThinkingRenderer", {}),
