@@ -41,6 +41,22 @@ def _synth(args: argparse.Namespace) -> None:
     run_synth_command(args.design, preview=args.preview)
 
 
+def _trainjob(args: argparse.Namespace) -> None:
+    import os
+
+    from hanzo_gym.trainjob import main_trainjob
+
+    main_trainjob(os.environ, dry_run=args.dry_run)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from hanzo_gym.serve import run_serve
+
+    run_serve(
+        args.model, args.adapter, args.host, args.port, args.renderer, args.served_model_name, args.verbose
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gym", description="hanzo-gym: LoRA SFT and RL post-training.")
     parser.add_argument("--version", action="version", version=f"hanzo-gym {__version__}")
@@ -68,6 +84,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--preview", type=int, metavar="N", help="print N rows as JSON instead of writing `output`"
     )
     synth.set_defaults(handler=_synth)
+
+    trainjob = commands.add_parser(
+        "trainjob",
+        help="Kubeflow TrainJob entry: train from environment variables (docs/trainjob.md); torchrun-ready",
+    )
+    trainjob.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config as YAML and exit without training"
+    )
+    trainjob.set_defaults(handler=_trainjob)
+
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible server for a base model and its LoRA adapters (docs/serve.md)"
+    )
+    serve.add_argument("--model", required=True, help="base model: hub id, local folder or .gguf file")
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        metavar="NAME=PATH",
+        help="serve the PEFT adapter at PATH (folder or gym:// path) as model NAME; repeatable",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--renderer", help="chat renderer (default: the model's recommended one)")
+    serve.add_argument("--served-model-name", help="the base model's name in requests (default: --model)")
+    serve.add_argument("--verbose", action="store_true", help="log every request")
+    serve.set_defaults(handler=_serve)
     return parser
 
 

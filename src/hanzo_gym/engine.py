@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hanzo_gym.distributed import sync_gradients
 from hanzo_gym.errors import GymError
 from hanzo_gym.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
 from hanzo_gym.prefix_sharing import shared_layout
@@ -212,7 +213,9 @@ class Engine:
         return token_logprobs(output.last_hidden_state[0], self._output_weight, targets, self.logprob_chunk)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        """Clip (when asked), take one AdamW step with these parameters, and clear the gradients."""
+        """Clip (when asked), take one AdamW step with these parameters, and clear the gradients.
+        Under torchrun the gradients are first summed over all processes (see `distributed`)."""
+        sync_gradients(self.trainable)
         grads = [p.grad for p in self.trainable if p.grad is not None]
         if not grads:  # nothing was accumulated: AdamW would still decay weights and advance its step count
             return {"grad_norm": 0.0, "lr": adam.learning_rate}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
 from hanzo_gym.errors import GymError
@@ -23,14 +23,19 @@ def adapter_directory(cfg: Config, checkpoint: str | None) -> Path:
     return directory
 
 
-def merge_run(cfg: Config, out: str | None = None, checkpoint: str | None = None) -> Path:
-    adapter_dir = adapter_directory(cfg, checkpoint)
-    destination = Path(out) if out else Path(cfg.output_dir) / "merged"
+def merged_from(cfg: Config, adapter_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The base model with the adapter in `adapter_dir` folded in, and the run's tokenizer."""
     # Keep the base checkpoint's own dtype so a bf16 model stays bf16 on disk.
     dtype = getattr(AutoConfig.from_pretrained(resolve_model(cfg.base_model)), "dtype", None) or torch.float32
     base = load_causal_lm(cfg.base_model, dtype if isinstance(dtype, torch.dtype) else torch.float32)
     model = merged_model(PeftModel.from_pretrained(base, str(adapter_dir)))
-    tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config)
+    return model, load_tokenizer(cfg.base_model, cfg.tokenizer_config)
+
+
+def merge_run(cfg: Config, out: str | None = None, checkpoint: str | None = None) -> Path:
+    adapter_dir = adapter_directory(cfg, checkpoint)
+    destination = Path(out) if out else Path(cfg.output_dir) / "merged"
+    model, tokenizer = merged_from(cfg, adapter_dir)
 
     def write(directory: Path) -> None:
         model.save_pretrained(str(directory))

@@ -2,6 +2,9 @@
 
 Files are replaced atomically (write a temporary sibling, fsync, rename) and a checkpoint folder only gets its
 final name once everything in it is on disk, so a crash never leaves a checkpoint that resume would trust.
+
+Under torchrun only rank 0 writes: on the other ranks a RunDir reads (latest_checkpoint, metrics) but every
+method that would write does nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hanzo_gym.distributed import is_main
 from hanzo_gym.errors import GymError
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -67,14 +71,17 @@ def publish_files_into(build: Callable[[Path], None], directory: Path) -> None:
 
 
 class RunDir:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, writer: bool | None = None):
         self.path = Path(path)
+        self.writer = is_main() if writer is None else writer
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.checkpoints_path = self.path / "checkpoints.jsonl"
+        if not self.writer:
+            return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise GymError(f"cannot create output_dir {self.path}: {exc.strerror}") from None
-        self.metrics_path = self.path / "metrics.jsonl"
-        self.checkpoints_path = self.path / "checkpoints.jsonl"
         self._remove_abandoned_temporaries()
 
     def _remove_abandoned_temporaries(self) -> None:
@@ -89,6 +96,8 @@ class RunDir:
         checkpoints, so that metrics and `resume_from_checkpoint: true` can only see this run. Returns what
         was removed."""
         removed = []
+        if not self.writer:
+            return removed
         for path in (self.metrics_path, self.checkpoints_path):
             if path.exists():
                 path.unlink()
@@ -100,9 +109,12 @@ class RunDir:
         return removed
 
     def write_config(self, resolved: dict) -> None:
-        atomic_write_text(self.path / "config.json", json.dumps(resolved, indent=2) + "\n")
+        if self.writer:
+            atomic_write_text(self.path / "config.json", json.dumps(resolved, indent=2) + "\n")
 
     def log(self, row: dict) -> None:
+        if not self.writer:
+            return
         with open(self.metrics_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")
 
@@ -111,6 +123,8 @@ class RunDir:
 
     def forget_after(self, step: int) -> None:
         """On resume: drop metric and checkpoint records of steps the resumed run will redo."""
+        if not self.writer:
+            return
         for path in (self.metrics_path, self.checkpoints_path):
             if path.exists():
                 kept = [row for row in _read_jsonl(path) if row.get("step", 0) <= step]
@@ -118,6 +132,8 @@ class RunDir:
 
     def save_checkpoint(self, step: int, epoch: float, build: Callable[[Path], None]) -> Path:
         final = self.path / f"{CHECKPOINT_PREFIX}{step}"
+        if not self.writer:
+            return final
         publish_directory(build, final)
         record = {"name": final.name, "step": step, "epoch": epoch, "path": str(final)}
         with open(self.checkpoints_path, "a", encoding="utf-8") as handle:
@@ -141,11 +157,18 @@ class Progress:
 
     def __init__(self, total: int, done: int):
         self.interactive = sys.stderr.isatty()
+        self.quiet = not is_main()  # under torchrun rank 0 speaks for all
         self.bar = tqdm(
-            total=total, initial=done, disable=not self.interactive, unit="step", dynamic_ncols=True
+            total=total,
+            initial=done,
+            disable=self.quiet or not self.interactive,
+            unit="step",
+            dynamic_ncols=True,
         )
 
     def say(self, text: str) -> None:
+        if self.quiet:
+            return
         if self.interactive:
             self.bar.write(text)
         else:

@@ -3,6 +3,11 @@
 One optimizer step is one accumulation window of micro-batches. The loss is the mean next-token NLL over every
 trained token of the window: each datum's weights are 1/(trained tokens in the window), so the engine's summed
 loss needs no further division and gradient accumulation gives the same update as one big batch.
+
+Under torchrun a window holds gradient_accumulation_steps micro-batches per process; each process takes its
+share of the window's micro-batches, and the weights divide by the trained tokens of the whole window (every
+process sees the whole window, so the count is the sum over ranks without a collective). The engine sums the
+gradients over processes, so N processes train exactly as one process with N times the accumulation.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, starting_
 from hanzo_gym.config import Config
 from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
 from hanzo_gym.data.example import Example
+from hanzo_gym.distributed import shard, sum_across, world_size
 from hanzo_gym.engine import Engine
 from hanzo_gym.rundir import Progress, RunDir
 from hanzo_gym.schedule import adam_params
@@ -30,7 +36,7 @@ def _windows(cfg: Config, train: list[Example], epoch: int) -> list[list[list[in
     lengths = [len(example) for example in train]
     pack_to = cfg.sequence_len if cfg.sample_packing else None
     batches = micro_batches(lengths, epoch_order(len(train), cfg.seed, epoch), cfg.micro_batch_size, pack_to)
-    accum = cfg.gradient_accumulation_steps
+    accum = cfg.gradient_accumulation_steps * world_size()
     return [batches[i : i + accum] for i in range(0, len(batches), accum)]
 
 
@@ -41,22 +47,26 @@ def _plan_fingerprint(cfg: Config, train: list[Example]) -> dict:
         "train_tokens": sum(len(e) for e in train),
         "seed": cfg.seed,
         "micro_batch_size": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        # per window across all processes: a resume on another process count with the same windows is fine
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps * world_size(),
         "sample_packing": cfg.sample_packing,
         "sequence_len": cfg.sequence_len,
     }
 
 
 def evaluate(engine: Engine, examples: list[Example], micro_batch_size: int) -> float:
-    """Mean next-token NLL over every trained token of `examples` (no update, dropout off)."""
+    """Mean next-token NLL over every trained token of `examples` (no update, dropout off); under torchrun
+    each process scores its share and the sums are added up."""
     nll, count = 0.0, 0
-    for start in range(0, len(examples), micro_batch_size):
-        batch = examples[start : start + micro_batch_size]
+    mine = shard(examples)
+    for start in range(0, len(mine), micro_batch_size):
+        batch = mine[start : start + micro_batch_size]
         datums = [supervised_datum(e, 1.0) for e in batch]
         for datum, logprobs in zip(datums, engine.forward(datums)):
             weights = datum.loss_fn_inputs["weights"]
             nll -= sum(lp for lp, w in zip(logprobs.tolist(), weights) if w)
             count += sum(1 for w in weights if w)
+    nll, count = sum_across(nll, count)
     return nll / max(count, 1)
 
 
@@ -109,11 +119,15 @@ def train_sft(
                 break
             window = windows[index]
             window_started = time.perf_counter()
-            trained = sum(train[i].trained_tokens for batch in window for i in batch)
-            for batch in window if trained else []:
+            trained = sum(train[i].trained_tokens for batch in window for i in batch)  # all processes'
+            window_nll = window_tokens = 0.0
+            for batch in shard(window) if trained else []:
                 datums = [supervised_datum(train[i], 1.0 / trained) for i in batch]
-                logged_nll += engine.forward_backward(datums, "cross_entropy").loss_sum * trained
-                logged_tokens += sum(len(train[i]) for i in batch)
+                window_nll += engine.forward_backward(datums, "cross_entropy").loss_sum * trained
+                window_tokens += sum(len(train[i]) for i in batch)
+            window_nll, window_tokens = sum_across(window_nll, window_tokens)
+            logged_nll += window_nll
+            logged_tokens += window_tokens
             logged_trained += trained
             adam = adam_params(cfg, step, total)
             lr = adam.learning_rate

@@ -10,18 +10,24 @@ from transformers import PreTrainedTokenizerBase
 from hanzo_gym.config import Config
 from hanzo_gym.data.dataset import load_examples
 from hanzo_gym.data.prompts import load_prompts
+from hanzo_gym.distributed import broadcast_object, broadcast_parameters, init_from_env, is_main, world_size
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError
 from hanzo_gym.grpo import GrpoResult, train_grpo
 from hanzo_gym.model.hub import load_causal_lm, load_tokenizer
 from hanzo_gym.model.lora import attach_lora, save_adapter
-from hanzo_gym.rundir import RunDir, publish_files_into
+from hanzo_gym.rundir import RunDir, publish_directory, publish_files_into
 from hanzo_gym.sft import SftResult, train_sft
 
 
 def pick_device_and_dtype(bf16: str | bool) -> tuple[torch.device, torch.dtype]:
-    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower).
+    Under torchrun each process takes the GPU that `distributed.init_from_env` made current."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     use_bf16 = device.type == "cuda" if bf16 == "auto" else bool(bf16)
     return device, torch.bfloat16 if use_bf16 else torch.float32
 
@@ -56,13 +62,16 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
     return Path(wanted)  # the config checked that it is a directory
 
 
-def run_training(cfg: Config) -> SftResult | GrpoResult:
+def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | GrpoResult:
+    """Train and write the run directory (rank 0 only under torchrun). The final adapter goes to the run
+    directory's top level, or into `adapter_dir` (a folder of its own) when given."""
+    init_from_env()
     device, dtype = pick_device_and_dtype(cfg.bf16)
     tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config)
     if cfg.rl == "grpo":
         data = load_prompts(cfg, tokenizer)
         what = "prompts"
-        if data.dropped:
+        if data.dropped and is_main():
             print(f"dropped {data.dropped} prompts longer than sequence_len {cfg.sequence_len}", flush=True)
     else:
         data = load_examples(cfg, tokenizer)
@@ -74,14 +83,18 @@ def run_training(cfg: Config) -> SftResult | GrpoResult:
             )
         raise GymError(f"no training {what} left after tokenization: see `gym preprocess` for the counts")
     engine = build_engine(cfg, device, dtype, tokenizer)
+    broadcast_parameters(engine.trainable)  # every process starts from rank 0's adapter
     run = RunDir(cfg.output_dir)
     run.write_config(cfg.model_dump(mode="json"))
-    print(
-        f"train {len(data.train)} {what}, val {len(data.val)}, trainable parameters "
-        f"{engine.trainable_parameter_count:,}, device {device.type}, dtype {str(dtype).removeprefix('torch.')}",
-        flush=True,
-    )
-    resume_from = resume_point(cfg, run)
+    if is_main():
+        processes = f", {world_size()} processes" if world_size() > 1 else ""
+        print(
+            f"train {len(data.train)} {what}, val {len(data.val)}, trainable parameters "
+            f"{engine.trainable_parameter_count:,}, device {device.type}, "
+            f"dtype {str(dtype).removeprefix('torch.')}{processes}",
+            flush=True,
+        )
+    resume_from = broadcast_object(resume_point(cfg, run) if is_main() else None)
     if resume_from is None:
         removed = run.start_fresh()
         if removed:
@@ -97,6 +110,12 @@ def run_training(cfg: Config) -> SftResult | GrpoResult:
         save_adapter(engine.model, directory)
         tokenizer.save_pretrained(str(directory))
 
+    if not is_main():
+        return result
+    if adapter_dir is not None:
+        publish_directory(final, Path(adapter_dir))
+        print(f"wrote adapter to {adapter_dir}", flush=True)
+        return result
     # The final adapter sits at the run directory's top level, next to the run files, as Axolotl puts it.
     publish_files_into(final, run.path)
     print(f"wrote adapter to {run.path}", flush=True)

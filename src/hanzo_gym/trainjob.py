@@ -1,0 +1,424 @@
+"""`gym trainjob`: the container entry of a Kubeflow TrainJob, configured by environment variables.
+
+The variables are the ones the hanzo broker sets on every fine-tuning TrainJob (and the runtime's defaults).
+They map onto the same `Config` that `gym train` reads from YAML, with the same validation. Values are
+trimmed, and an empty value counts as unset. Every problem names the variable, the value it had and what to
+send instead; all problems are reported together, before anything is loaded.
+
+What lands in OUTPUT_DIR (what the broker's deploy step serves):
+
+    OUTPUT_DIR/              the merged model: config.json, model*.safetensors, tokenizer files
+    OUTPUT_DIR/adapter/      the PEFT adapter (adapter_config.json, adapter_model.safetensors, tokenizer)
+    OUTPUT_DIR/run/          the run directory: config.json (the resolved config), metrics.jsonl, …
+
+With MERGE=false only adapter/ and run/ are written. Under torchrun only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from hanzo_gym.config import Config
+from hanzo_gym.errors import ConfigError, DataError
+
+DEFAULT_MODEL_DIR = "/workspace/model"
+DEFAULT_DATASET_DIR = "/workspace/dataset"
+DEFAULT_OUTPUT_DIR = "/workspace/output"
+ADAPTER_SUBDIR = "adapter"
+RUN_SUBDIR = "run"
+
+TASKS = {"chat": "chat_template", "instruct": "alpaca", "completion": "completion"}
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+# The variable that sets each numeric config key, its parser and the default the broker also sends.
+NUMERIC: dict[str, tuple[str, type, int | float]] = {
+    "MAX_SEQ_LEN": ("sequence_len", int, 2048),
+    "LORA_RANK": ("lora_r", int, 16),
+    "LORA_ALPHA": ("lora_alpha", float, 32.0),
+    "LORA_DROPOUT": ("lora_dropout", float, 0.05),
+    "BATCH_SIZE": ("micro_batch_size", int, 2),
+    "GRAD_ACCUM": ("gradient_accumulation_steps", int, 8),
+    "LEARNING_RATE": ("learning_rate", float, 2e-4),
+    "WARMUP_RATIO": ("warmup_ratio", float, 0.03),
+    "WEIGHT_DECAY": ("weight_decay", float, 0.01),
+}
+DEFAULT_EPOCHS = 3
+# Every variable gym trainjob reads (HF_TOKEN is read by huggingface_hub itself and never printed).
+VARIABLES = (
+    "METHOD",
+    "QUANT_4BIT",
+    "GRADIENT_CHECKPOINTING",
+    "TASK",
+    "MODEL_DIR",
+    "BASE_MODEL",
+    "DATASET_DIR",
+    "EPOCHS",
+    "OUTPUT_DIR",
+    *NUMERIC,
+    "MERGE",
+    "HF_TOKEN",
+)
+
+# Files `save_pretrained` writes for a model and its tokenizer: what a previous run's merged model left at
+# OUTPUT_DIR's top level, removed before a new run so that no stale shard or index outlives it.
+_MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_STAGING_PREFIX = ".gym-staging-"
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_WHOLE = re.compile(r"[+]?[0-9]+")
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    config: Config
+    output_dir: Path  # OUTPUT_DIR: merged model at the top, adapter/ and run/ inside
+    merge: bool
+    base_model_name: str | None  # BASE_MODEL, written into adapter_config.json when MODEL_DIR was trained
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.output_dir / ADAPTER_SUBDIR
+
+
+def read_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Trimmed values; empty ones dropped (an empty value counts as unset)."""
+    return {key: value.strip() for key, value in env.items() if isinstance(value, str) and value.strip()}
+
+
+def _cuda_note() -> str:
+    import torch
+
+    return "" if torch.cuda.is_available() else " (it would also need a CUDA GPU; this machine has none)"
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+    def raise_if_any(self) -> None:
+        if self.lines:
+            raise ConfigError("\n".join(self.lines))
+
+
+def _parse_bool(name: str, raw: str | None, default: bool, problems: _Problems) -> bool:
+    if raw is None:
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    problems.add(f"{name}={raw}: not a boolean; send true or false")
+    return default
+
+
+def _parse_number(name: str, raw: str, kind: type, problems: _Problems) -> int | float | None:
+    if kind is int:
+        if not _WHOLE.fullmatch(raw):
+            problems.add(f"{name}={raw}: not a whole number; send an integer such as {NUMERIC[name][2]}")
+            return None
+        return int(raw)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        problems.add(f"{name}={raw}: not a finite number; send a decimal such as {NUMERIC[name][2]}")
+        return None
+    return value
+
+
+def _method(env: dict[str, str], problems: _Problems) -> None:
+    # Unset means lora: this image only trains LoRA, and the runtime that runs it sets METHOD=lora.
+    raw = env.get("METHOD", "lora")
+    method = raw.lower()
+    if method == "qlora":
+        problems.add(
+            f"METHOD={raw}: 4-bit QLoRA is not supported by hanzo-gym yet{_cuda_note()}; send METHOD=lora "
+            "with QUANT_4BIT=false, or run the job on the hanzo-ft-qlora runtime"
+        )
+    elif method == "full":
+        problems.add(
+            f"METHOD={raw}: full fine-tuning is not supported by hanzo-gym yet; send METHOD=lora, or run the "
+            "job on the hanzo-ft-full runtime"
+        )
+    elif method != "lora":
+        problems.add(f"METHOD={raw}: unknown method; send METHOD=lora (qlora and full are other runtimes)")
+    if _parse_bool("QUANT_4BIT", env.get("QUANT_4BIT"), False, problems):
+        problems.add(
+            f"QUANT_4BIT={env['QUANT_4BIT']}: 4-bit quantization (QLoRA) is not supported by hanzo-gym "
+            f"yet{_cuda_note()}; send QUANT_4BIT=false to train a LoRA adapter on the unquantized model"
+        )
+
+
+def _base_model(env: dict[str, str], problems: _Problems) -> tuple[str | None, str | None]:
+    """(base_model, BASE_MODEL to record in the adapter). MODEL_DIR wins when it holds a model."""
+    model_dir = env.get("MODEL_DIR", DEFAULT_MODEL_DIR)
+    named = env.get("BASE_MODEL")
+    if (Path(model_dir) / "config.json").is_file():
+        return model_dir, named
+    if named:
+        return named, None
+    state = "holds no config.json" if Path(model_dir).is_dir() else "is not a directory"
+    problems.add(
+        f"MODEL_DIR={model_dir} {state} and BASE_MODEL is unset: give the job a model initializer (it fills "
+        f"{DEFAULT_MODEL_DIR}), point MODEL_DIR at a model folder, or set BASE_MODEL to a hub repo id"
+    )
+    return None, None
+
+
+def dataset_files(dataset_dir: str) -> list[Path]:
+    """Every .jsonl/.json/.parquet file under `dataset_dir`, recursively, sorted by path, skipping hidden
+    files and folders (the hub's .cache). When file names name splits (train-…, test-…), only the train
+    split's files: a downloaded dataset repo must not train on its test rows."""
+    from hanzo_gym.data.sources import _files_for_split
+
+    root = Path(dataset_dir)
+    if not root.is_dir():
+        raise ConfigError(
+            f"DATASET_DIR={dataset_dir}: not a directory; give the job a dataset initializer (it fills "
+            f"{DEFAULT_DATASET_DIR}) or point DATASET_DIR at a folder of .jsonl, .json or .parquet files"
+        )
+    found: list[str] = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        for name in files:
+            if not name.startswith(".") and name.lower().endswith(DATA_SUFFIXES):
+                found.append((Path(folder) / name).relative_to(root).as_posix())
+    if not found:
+        raise ConfigError(
+            f"DATASET_DIR={dataset_dir}: no .jsonl, .json or .parquet files (hidden ones skipped)"
+        )
+    try:
+        chosen = _files_for_split(sorted(found), "train", f"DATASET_DIR={dataset_dir}")
+    except DataError as exc:  # say it as a problem with the variable
+        raise ConfigError(str(exc)) from None
+    return [root / name for name in chosen]
+
+
+def _output_dir(env: dict[str, str], problems: _Problems) -> Path:
+    raw = env.get("OUTPUT_DIR", DEFAULT_OUTPUT_DIR)
+    scheme = _SCHEME.match(raw)
+    if scheme and scheme.group(1).lower() == "file":
+        return Path(raw[len("file://") :])
+    if scheme:
+        problems.add(
+            f"OUTPUT_DIR={raw}: only a local path is supported ({scheme.group(1)}:// uploads are not); leave "
+            f"OUTPUT_DIR unset to write {DEFAULT_OUTPUT_DIR}, or mount the storage and give its path"
+        )
+        return Path(DEFAULT_OUTPUT_DIR)
+    return Path(raw)
+
+
+def _epochs(env: dict[str, str], problems: _Problems) -> int:
+    raw = env.get("EPOCHS")
+    if raw is None:
+        return DEFAULT_EPOCHS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        problems.add(f"EPOCHS={raw}: not a number; send a whole number of epochs such as 3")
+    elif value < 1:
+        problems.add(f"EPOCHS={raw}: must be at least 1")
+    elif value != int(value):
+        whole = f"{math.floor(value)} or {math.ceil(value)}"
+        problems.add(f"EPOCHS={raw}: hanzo-gym trains a whole number of epochs; send {whole}")
+    else:
+        return int(value)
+    return DEFAULT_EPOCHS
+
+
+def trainjob_from_env(environ: Mapping[str, str]) -> TrainJob:
+    """The TrainJob that these environment variables describe; ConfigError lists every problem."""
+    env = read_env(environ)
+    problems = _Problems()
+    _method(env, problems)
+    checkpointing = _parse_bool("GRADIENT_CHECKPOINTING", env.get("GRADIENT_CHECKPOINTING"), False, problems)
+    task = env.get("TASK")
+    if task is None:
+        problems.add(
+            "TASK is unset: send TASK=chat (rows with a `messages` list), instruct (instruction/input/output "
+            "rows) or completion (rows with a `text` field)"
+        )
+    elif task.lower() not in TASKS:
+        problems.add(f"TASK={task}: must be chat, instruct or completion")
+    base_model, base_model_name = _base_model(env, problems)
+    dataset_dir = env.get("DATASET_DIR", DEFAULT_DATASET_DIR)
+    try:
+        files = dataset_files(dataset_dir)
+    except ConfigError as exc:
+        problems.add(str(exc))
+        files = []
+    epochs = _epochs(env, problems)
+    output_dir = _output_dir(env, problems)
+    numbers: dict[str, int | float] = {}
+    for name, (key, kind, default) in NUMERIC.items():
+        raw = env.get(name)
+        value = default if raw is None else _parse_number(name, raw, kind, problems)
+        if value is not None:
+            numbers[key] = value
+    merge = _parse_bool("MERGE", env.get("MERGE"), True, problems)
+    if base_model and Path(base_model).is_dir() and Path(base_model).resolve() == output_dir.resolve():
+        problems.add(f"OUTPUT_DIR={output_dir}: is the model folder itself; write the results elsewhere")
+    problems.raise_if_any()
+
+    data = {
+        "base_model": base_model,
+        "datasets": [{"path": str(path), "type": TASKS[task.lower()]} for path in files],
+        "output_dir": str(output_dir / RUN_SUBDIR),
+        "adapter": "lora",
+        "lora_target_linear": True,
+        "num_epochs": epochs,
+        "gradient_checkpointing": checkpointing,
+        "bf16": "auto",
+        **numbers,
+    }
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError("\n".join(_describe(error, env) for error in exc.errors())) from None
+    return TrainJob(config=config, output_dir=output_dir, merge=merge, base_model_name=base_model_name)
+
+
+_KEY_TO_VARIABLE = {key: name for name, (key, _, _) in NUMERIC.items()} | {"num_epochs": "EPOCHS"}
+
+
+def _describe(error: dict, env: dict[str, str]) -> str:
+    key = str(error["loc"][0]) if error["loc"] else ""
+    message = error["msg"].removeprefix("Value error, ")
+    name = _KEY_TO_VARIABLE.get(key)
+    if name is None:
+        return f"the resolved config is invalid at `{key}`: {message}"
+    shown = env.get(name, f"{NUMERIC[name][2]} (default)" if name in NUMERIC else "(default)")
+    return f"{name}={shown}: {message[:1].lower()}{message[1:]} (it sets `{key}`); send a value that fits"
+
+
+def resolved_yaml(job: TrainJob) -> str:
+    """The resolved config as YAML that `gym train` accepts, with the OUTPUT_DIR layout as comments."""
+    header = [
+        f"# gym trainjob: OUTPUT_DIR={job.output_dir}",
+        f"#   merged model: {job.output_dir}" if job.merge else "#   merged model: none (MERGE=false)",
+        f"#   adapter:      {job.adapter_dir}",
+        f"#   run files:    {job.config.output_dir}",
+    ]
+    body = yaml.safe_dump(job.config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    return "\n".join(header) + "\n" + body
+
+
+def _clear_previous_outputs(output_dir: Path) -> list[str]:
+    """Remove what an earlier run left at OUTPUT_DIR's top level (model files, adapter/, staging folders)."""
+    removed = []
+    for pattern in _MODEL_FILE_PATTERNS:
+        for path in sorted(output_dir.glob(pattern)):
+            if path.is_file():
+                path.unlink()
+                removed.append(path.name)
+    for path in [output_dir / ADAPTER_SUBDIR, *output_dir.glob(f"{_STAGING_PREFIX}*")]:
+        if path.is_dir():
+            shutil.rmtree(path)
+            removed.append(path.name + "/")
+    return removed
+
+
+def _record_base_model(adapter_dir: Path, name: str) -> None:
+    """Name the hub model in adapter_config.json instead of the job-local MODEL_DIR path, so that
+    `AutoPeftModelForCausalLM.from_pretrained(adapter)` works after the job's volume is gone."""
+    from hanzo_gym.rundir import atomic_write_text
+
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = name
+    atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _publish_merged(job: TrainJob) -> None:
+    """Write the merged model into OUTPUT_DIR: built in a hidden staging folder, then each file renamed into
+    place, config.json last, so that a crash never leaves something that loads as a half-written model."""
+    from hanzo_gym.merge import merged_from
+    from hanzo_gym.rundir import publish_directory
+
+    model, tokenizer = merged_from(job.config, job.adapter_dir)
+
+    def write(directory: Path) -> None:
+        model.save_pretrained(str(directory))
+        tokenizer.save_pretrained(str(directory))
+        _readable_by_all(directory)
+
+    staging = job.output_dir / f"{_STAGING_PREFIX}{os.getpid()}"
+    publish_directory(write, staging)
+    for item in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(item, job.output_dir / item.name)
+    staging.rmdir()
+
+
+def _readable_by_all(directory: Path) -> None:
+    """safetensors files come out owner-only (0600); a pod that serves OUTPUT_DIR may run as another user."""
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
+
+
+def run_trainjob(job: TrainJob) -> None:
+    """Train (on every process under torchrun), then on rank 0 write the adapter and the merged model."""
+    from hanzo_gym.distributed import init_from_env, is_main, shutdown
+    from hanzo_gym.train import run_training
+
+    init_from_env()
+    try:
+        if is_main():
+            print("trainjob config:\n" + resolved_yaml(job), flush=True)
+            if job.output_dir.exists() and not job.output_dir.is_dir():
+                raise ConfigError(f"OUTPUT_DIR={job.output_dir}: exists and is not a directory")
+            job.output_dir.mkdir(parents=True, exist_ok=True)
+            removed = _clear_previous_outputs(job.output_dir)
+            if removed:
+                print(f"removed the previous run's {', '.join(removed)} from {job.output_dir}", flush=True)
+        run_training(job.config, adapter_dir=job.adapter_dir)
+        if not is_main():
+            return
+        _readable_by_all(job.adapter_dir)
+        if job.base_model_name:
+            _record_base_model(job.adapter_dir, job.base_model_name)
+        if job.merge:
+            _publish_merged(job)
+            print(f"wrote merged model to {job.output_dir}", flush=True)
+    finally:
+        shutdown()
+
+
+def main_trainjob(environ: Mapping[str, str], dry_run: bool = False) -> None:
+    job = trainjob_from_env(environ)
+    if dry_run:
+        print(resolved_yaml(job), end="")
+        return
+    run_trainjob(job)
