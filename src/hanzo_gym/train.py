@@ -14,22 +14,10 @@ from hanzo_gym.distributed import broadcast_object, broadcast_parameters, init_f
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError
 from hanzo_gym.grpo import GrpoResult, train_grpo
-from hanzo_gym.model.hub import load_causal_lm, load_tokenizer
+from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, pick_device_and_dtype
 from hanzo_gym.model.lora import attach_lora, save_adapter
 from hanzo_gym.rundir import RunDir, publish_directory, publish_files_into
 from hanzo_gym.sft import SftResult, train_sft
-
-
-def pick_device_and_dtype(bf16: str | bool) -> tuple[torch.device, torch.dtype]:
-    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower).
-    Under torchrun each process takes the GPU that `distributed.init_from_env` made current."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    use_bf16 = device.type == "cuda" if bf16 == "auto" else bool(bf16)
-    return device, torch.bfloat16 if use_bf16 else torch.float32
 
 
 def build_engine(

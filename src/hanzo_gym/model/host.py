@@ -23,17 +23,10 @@ from safetensors.torch import load_file, save_file
 
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import ModelError
-from hanzo_gym.model.hub import load_causal_lm, load_tokenizer
+from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, pick_device_and_dtype
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-def pick_device_and_dtype(bf16: str | bool = "auto") -> tuple[torch.device, torch.dtype]:
-    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    use_bf16 = device.type == "cuda" if bf16 == "auto" else bool(bf16)
-    return device, torch.bfloat16 if use_bf16 else torch.float32
 
 
 class ModelHost:

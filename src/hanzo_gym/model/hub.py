@@ -61,6 +61,13 @@ MODEL_PATTERNS = [
 STALE_PARTIAL_SECONDS = 3600
 
 
+def pick_device_and_dtype(bf16: str | bool = "auto") -> tuple[torch.device, torch.dtype]:
+    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    use_bf16 = device.type == "cuda" if bf16 == "auto" else bool(bf16)
+    return device, torch.bfloat16 if use_bf16 else torch.float32
+
+
 def cache_root() -> Path:
     """Root of hanzo-gym's own cache: $HANZO_GYM_CACHE or ~/.cache/hanzo-gym."""
     return Path(os.environ.get("HANZO_GYM_CACHE") or "~/.cache/hanzo-gym").expanduser()
