@@ -62,8 +62,13 @@ STALE_PARTIAL_SECONDS = 3600
 
 
 def pick_device_and_dtype(bf16: str | bool = "auto") -> tuple[torch.device, torch.dtype]:
-    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower).
+    Under torchrun each process takes the GPU that `distributed.init_from_env` made current."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     use_bf16 = device.type == "cuda" if bf16 == "auto" else bool(bf16)
     return device, torch.bfloat16 if use_bf16 else torch.float32
 
