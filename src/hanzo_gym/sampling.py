@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 from hanzo_gym.errors import GymError
 
@@ -44,11 +45,12 @@ def _stop_lists(stop: SamplingParams.stop) -> tuple[list[int], list[str]]:
     if isinstance(stop, str):
         return [], [stop]
     items = list(stop)
-    if all(isinstance(s, int) for s in items):
-        return items, []
-    if all(isinstance(s, str) for s in items):
-        return [], items
-    raise GymError("SamplingParams.stop takes strings or token ids, not a mix")
+    ids = [s for s in items if isinstance(s, int) and not isinstance(s, bool)]
+    strings = [s for s in items if isinstance(s, str)]
+    if len(ids) + len(strings) != len(items):
+        raise GymError("SamplingParams.stop takes strings and token ids")
+    # A mix is what a chat server needs: the renderer's end-of-turn token ids plus the request's stop strings.
+    return ids, strings
 
 
 def _filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -114,6 +116,41 @@ def _lora_folded(model: PreTrainedModel) -> Iterator[None]:
             base.weight = weight
 
 
+class _InPlaceLayer(DynamicLayer):
+    """A cache layer whose keys and values are views of buffers sized for the whole decode: appending a token
+    writes into the buffer instead of copying the layer's whole cache (`torch.cat`) at every step."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if (
+            self._key_buffer is None
+            or self.keys._base is not self._key_buffer  # batch_repeat_interleave / select made new tensors
+            or self._key_buffer.shape[-2] < length + new
+        ):
+            self._key_buffer = self._grown(self.keys, key_states, length + new)
+            self._value_buffer = self._grown(self.values, value_states, length + new)
+        self._key_buffer[:, :, length : length + new] = key_states
+        self._value_buffer[:, :, length : length + new] = value_states
+        self.keys = self._key_buffer[:, :, : length + new]
+        self.values = self._value_buffer[:, :, : length + new]
+        return self.keys, self.values
+
+    def _grown(self, cached: torch.Tensor, states: torch.Tensor, needed: int) -> torch.Tensor:
+        batch, heads, _, dim = states.shape
+        buffer = states.new_empty((batch, heads, max(self.capacity, needed), dim))
+        if cached.numel():
+            buffer[:, :, : cached.shape[-2]] = cached
+        return buffer
+
+
 class _StopStrings:
     """Finds rows whose text now ends a stop string, decoding only rows whose newest token could finish one."""
 
@@ -150,10 +187,11 @@ def sample_groups(
     prompts: Sequence[Sequence[int]],
     num_samples: int,
     params: SamplingParams,
-    on_step: Callable[[list[int], list[int]], None] | None = None,
+    on_step: Callable[[list[int], list[int], torch.Tensor], None] | None = None,
 ) -> list[list[SampledSequence]]:
-    """`num_samples` completions for each prompt; result[i][j] is sample j of prompt i. `on_step(rows, tokens)`
-    hears each step's new tokens (row = prompt index × num_samples + sample index), for streaming."""
+    """`num_samples` completions for each prompt; result[i][j] is sample j of prompt i. `on_step(rows, tokens,
+    logprobs)` hears each step's new tokens (row = prompt index × num_samples + sample index) and the raw
+    log-probability distributions they were drawn from ([len(rows), vocab]), for streaming."""
     if not prompts or num_samples < 1:
         return [[] for _ in prompts]
     if any(len(p) == 0 for p in prompts):
@@ -189,6 +227,7 @@ def sample_groups(
             ids[row, longest - len(prompt) :] = torch.tensor(list(prompt), device=device)
             mask[row, longest - len(prompt) :] = 1
         cache = DynamicCache()
+        cache.layer_class_to_replicate = functools.partial(_InPlaceLayer, longest + max_tokens)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # Only the last position's logits are needed: a [prompts, length, vocab] tensor is not.
         out = model(
@@ -220,14 +259,13 @@ def sample_groups(
                 chosen = _draw(probs, generator)
             live_rows, live_chosen = rows[live], chosen[live]
             tokens[live_rows, step] = live_chosen
-            logprobs[live_rows, step] = (
-                logits[live].log_softmax(-1).gather(1, live_chosen[:, None]).squeeze(1)
-            )
+            step_logprobs = logits[live].log_softmax(-1)
+            logprobs[live_rows, step] = step_logprobs.gather(1, live_chosen[:, None]).squeeze(1)
             done = torch.isin(live_chosen, stop_ids_t) | stop_strings_finder.hits(
                 live_chosen, live_rows, tokens, step
             )
             if on_step is not None:
-                on_step(live_rows.tolist(), live_chosen.tolist())
+                on_step(live_rows.tolist(), live_chosen.tolist(), step_logprobs)
             lengths[live_rows[done]] = step + 1
             stopped[live_rows[done]] = True
             live[live.nonzero().flatten()[done]] = False

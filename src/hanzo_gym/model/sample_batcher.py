@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from hanzo_gym.model.host import ModelHost
 from hanzo_gym.sampling import SampledSequence, SamplingParams, sample_groups
 
@@ -24,7 +26,8 @@ class _Request:
     num_samples: int
     params: SamplingParams
     future: concurrent.futures.Future
-    on_token: Callable[[int, int], None] | None  # (sample index, token) as each token is drawn
+    # (sample index, token, raw log-probabilities over the vocabulary it was drawn from) as each token is drawn
+    on_token: Callable[[int, int, torch.Tensor], None] | None
 
     def batch_key(self) -> tuple | None:
         if self.params.seed is not None or self.on_token is not None:
@@ -48,7 +51,7 @@ class SampleBatcher:
         prompt: Sequence[int],
         num_samples: int,
         params: SamplingParams,
-        on_token: Callable[[int, int], None] | None = None,
+        on_token: Callable[[int, int, torch.Tensor], None] | None = None,
     ) -> concurrent.futures.Future[list[SampledSequence]]:
         future: concurrent.futures.Future = concurrent.futures.Future()
         request = _Request(adapter, list(prompt), num_samples, params, future, on_token)
@@ -89,9 +92,9 @@ class SampleBatcher:
         on_step = None
         if first.on_token is not None:
 
-            def on_step(rows: list[int], tokens: list[int]) -> None:
-                for row, token in zip(rows, tokens):
-                    first.on_token(row, token)
+            def on_step(rows: list[int], tokens: list[int], logprobs: torch.Tensor) -> None:
+                for position, (row, token) in enumerate(zip(rows, tokens)):
+                    first.on_token(row, token, logprobs[position])
 
         try:
             with self.host.using(first.adapter) as model:

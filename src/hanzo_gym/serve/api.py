@@ -1,0 +1,371 @@
+"""The endpoints' work: a typed request → prompts → the shared batcher → an OpenAI response, or a stream of
+chunks. Requests without streaming or top log-probabilities wait in the batcher with others like them and are
+decoded together; streamed ones (and those asking for top alternatives) follow their tokens as they are drawn.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hanzo_gym.errors import GymError
+from hanzo_gym.renderers import RendererError
+from hanzo_gym.sampling import SampledSequence, SamplingParams
+from hanzo_gym.serve import responses
+from hanzo_gym.serve.models import ServedModels
+from hanzo_gym.serve.protocol import APIError, ChatRequest, CompletionRequest, Sampling
+from hanzo_gym.serve.text import TextTracker, decode, find_stop
+
+_DONE = object()
+
+
+class _Cancelled(Exception):
+    """Raised into the sampler when a streaming client has gone."""
+
+
+@dataclass
+class _Sample:
+    """One completion (prompt p, sample j) as it is built."""
+
+    tracker: TextTracker
+    logprobs: list[float] = field(default_factory=list)  # per drawn token, when followed token by token
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    prompt: list[int]
+    samples: list[_Sample]
+    future: concurrent.futures.Future | None = None
+
+
+class Generation:
+    """One request's prompts × n samples through the batcher."""
+
+    def __init__(
+        self,
+        models: ServedModels,
+        adapter: str | None,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        stop_ids: list[int],
+        stop_strings: list[str],
+        top_logprobs: int | None,  # None: no log-probabilities; 0: the sampled token's only
+        follow: bool,  # stream: hear every token as it is drawn
+    ):
+        self.models = models
+        self.tokenizer = models.host.tokenizer
+        self.top = top_logprobs or 0
+        self.want_logprobs = top_logprobs is not None
+        self.stop_strings = stop_strings
+        tracker_stop_ids = set(stop_ids)
+        if self.tokenizer.eos_token_id is not None:
+            tracker_stop_ids.add(self.tokenizer.eos_token_id)  # the sampler always stops on it
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            stop=[*stop_ids, *stop_strings] or None,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+        )
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs = [
+            _Job(
+                prompt,
+                [
+                    _Sample(TextTracker(self.tokenizer, tracker_stop_ids, stop_strings))
+                    for _ in range(sampling.n)
+                ],
+            )
+            for prompt in prompts
+        ]
+        self.follow = follow or self.top > 0
+        self.cancelled = False
+        for index, job in enumerate(self.jobs):
+            on_token = self._listener(index) if self.follow else None
+            job.future = models.batcher.submit(adapter, job.prompt, sampling.n, params, on_token=on_token)
+            job.future.add_done_callback(lambda _, index=index: self.events.put((_DONE, index)))
+
+    def _listener(self, job: int):
+        def on_token(row: int, token: int, logprobs: torch.Tensor) -> None:
+            # Runs on the sampler's thread: keep it short; the request's thread does the text work.
+            if self.cancelled:
+                raise _Cancelled  # the client left: stop decoding for it (the batcher fails only this job)
+            value = float(logprobs[token]) if self.want_logprobs else 0.0
+            tops: list[tuple[int, float]] = []
+            if self.top:
+                values, ids = logprobs.topk(self.top)
+                tops = list(zip(ids.tolist(), values.tolist()))
+            self.events.put((job, row, token, value, tops))
+
+        return on_token
+
+    # -- results ---------------------------------------------------------------------------------------------
+    def result(self, job: int) -> list[SampledSequence]:
+        """Job `job`'s samples, or the APIError its failure means for the client."""
+        try:
+            return self.jobs[job].future.result()
+        except GymError as exc:
+            raise APIError(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - the client gets a 500; the server keeps serving
+            raise APIError(f"sampling failed: {exc}", status=500, type="server_error") from None
+
+    def results(self) -> list[list[SampledSequence]]:
+        return [self.result(job) for job in range(len(self.jobs))]
+
+    def finished(self) -> list[list[tuple[_Sample, SampledSequence]]]:
+        """Every sample, its tokens run through its tracker (after a followed run, the tokens already were)."""
+        results = self.results()
+        if self.follow:
+            self.drain()
+        for job, sequences in zip(self.jobs, results):
+            for sample, sequence in zip(job.samples, sequences):
+                if not self.follow:
+                    for token in sequence.tokens:
+                        sample.tracker.add(token)
+                    sample.logprobs = list(sequence.logprobs)
+                sample.tracker.finish()
+        return [list(zip(job.samples, sequences)) for job, sequences in zip(self.jobs, results)]
+
+    def stream(self) -> Iterator[tuple[int, int, _Sample | None]]:
+        """(job, row, sample) each time a sample gains a token; (job, -1, None) when a job has finished."""
+        remaining = len(self.jobs)
+        while remaining:
+            event = self.events.get()
+            if event[0] is _DONE:
+                remaining -= 1
+                yield event[1], -1, None
+                continue
+            job, row, token, value, tops = event
+            sample = self.jobs[job].samples[row]
+            sample.tracker.add(token)
+            sample.logprobs.append(value)
+            sample.tops.append(tops)
+            yield job, row, sample
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def drain(self) -> None:
+        for _ in self.stream():
+            pass
+
+    # -- shaping ---------------------------------------------------------------------------------------------
+    def piece(self, token: int) -> str:
+        return decode(self.tokenizer, [token])
+
+    def token_view(
+        self, sample: _Sample, positions: range
+    ) -> tuple[list[str], list[float], list[list[tuple[str, float]]] | None]:
+        tokens = sample.tracker.tokens
+        pieces = [self.piece(tokens[i]) for i in positions]
+        values = [sample.logprobs[i] for i in positions]
+        tops = None
+        if self.top:
+            tops = [[(self.piece(t), v) for t, v in sample.tops[i]] for i in positions]
+        return pieces, values, tops
+
+    def usage(self, results: list[list[tuple[_Sample, SampledSequence]]]) -> tuple[int, int]:
+        prompt = sum(len(job.prompt) for job in self.jobs)
+        completion = sum(len(seq.tokens) for group in results for _, seq in group)
+        return prompt, completion
+
+
+def _finish_reason(sequence: SampledSequence) -> str:
+    return "stop" if sequence.stop_reason == "stop" else "length"
+
+
+def _stops(stop_sequences: list[int] | list[str]) -> tuple[list[int], list[str]]:
+    ids = [s for s in stop_sequences if isinstance(s, int)]
+    return ids, [s for s in stop_sequences if isinstance(s, str)]
+
+
+# -- /v1/chat/completions ----------------------------------------------------------------------------------
+def chat(models: ServedModels, request: ChatRequest) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    adapter = models.adapter_slot(request.model)
+    renderer = models.chat_renderer()
+    try:
+        prompt = renderer.build_generation_prompt(request.messages).to_ints()
+    except RendererError as exc:
+        raise APIError(
+            f"cannot render these messages: {exc}", param="messages", code="invalid_value"
+        ) from None
+    request.sampling.max_tokens = models.default_max_tokens(request.sampling.max_tokens)
+    models.check_prompt(prompt, request.sampling.max_tokens)
+    stop_ids, renderer_strings = _stops(renderer.get_stop_sequences())
+    generation = Generation(
+        models,
+        adapter,
+        [prompt],
+        request.sampling,
+        stop_ids,
+        list(dict.fromkeys([*request.sampling.stop, *renderer_strings])),
+        request.top_logprobs if request.logprobs else None,
+        follow=request.stream,
+    )
+    model = request.model or models.name
+    if request.stream:
+        return _chat_stream(generation, model, request)
+    results = generation.finished()
+    choices = []
+    for index, (sample, sequence) in enumerate(results[0]):
+        logprobs = None
+        if request.logprobs:
+            logprobs = responses.chat_logprobs(
+                *generation.token_view(sample, range(sample.tracker.visible_tokens()))
+            )
+        message = _chat_message(renderer, sample, sequence, generation.stop_strings)
+        choices.append(responses.chat_choice(index, message, _finish_reason(sequence), logprobs))
+    return responses.chat_completion(responses.new_id("chatcmpl"), model, choices, *generation.usage(results))
+
+
+def _chat_message(renderer, sample: _Sample, sequence: SampledSequence, stops: list[str]) -> dict[str, Any]:
+    """The renderer's reading of the response (it splits off reasoning), cut at the first stop string."""
+    try:
+        parsed, _ = renderer.parse_response(sequence.tokens)
+    except RendererError:
+        return {"role": "assistant", "content": sample.tracker.text}
+    content = parsed.get("content")
+    reasoning = ""
+    if isinstance(content, list):
+        reasoning = "".join(p.get("thinking", "") for p in content if p.get("type") == "thinking")
+        content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+    text = content or ""
+    cut = find_stop(text, stops)
+    message: dict[str, Any] = {"role": "assistant", "content": text if cut is None else text[:cut]}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def _chat_stream(generation: Generation, model: str, request: ChatRequest) -> Iterator[dict[str, Any]]:
+    try:
+        yield from _chat_chunks(generation, model, request)
+    finally:
+        generation.cancel()  # a no-op once sampling is done; stops it when the client left early
+
+
+def _chat_chunks(generation: Generation, model: str, request: ChatRequest) -> Iterator[dict[str, Any]]:
+    id, created = responses.new_id("chatcmpl"), responses.now()
+    n = request.sampling.n
+    for index in range(n):
+        yield responses.chat_chunk(id, model, created, index, {"role": "assistant", "content": ""})
+
+    def delta_chunk(row: int, sample: _Sample, finish_reason: str | None = None):
+        text, positions = sample.tracker.take()
+        if not text and not (positions and request.logprobs):
+            return None
+        logprobs = (
+            responses.chat_logprobs(*generation.token_view(sample, positions)) if request.logprobs else None
+        )
+        return responses.chat_chunk(id, model, created, row, {"content": text}, finish_reason, logprobs)
+
+    for _, row, sample in generation.stream():
+        if sample is not None:
+            chunk = delta_chunk(row, sample)
+            if chunk is not None:
+                yield chunk
+    results = generation.results()
+    for row, (sample, sequence) in enumerate(zip(generation.jobs[0].samples, results[0])):
+        sample.tracker.finish()
+        chunk = delta_chunk(row, sample)
+        if chunk is not None:
+            yield chunk
+        yield responses.chat_chunk(id, model, created, row, {}, _finish_reason(sequence))
+    if request.include_usage:
+        prompt_tokens = len(generation.jobs[0].prompt)
+        completion_tokens = sum(len(seq.tokens) for seq in results[0])
+        yield responses.usage_chunk(
+            id, "chat.completion.chunk", model, created, prompt_tokens, completion_tokens
+        )
+
+
+# -- /v1/completions ---------------------------------------------------------------------------------------
+def complete(models: ServedModels, request: CompletionRequest) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    adapter = models.adapter_slot(request.model)
+    tokenizer = models.host.tokenizer
+    prompts = []
+    for prompt in request.prompts:
+        tokens = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        models.check_prompt(tokens, request.sampling.max_tokens, param="prompt")
+        prompts.append(tokens)
+    generation = Generation(
+        models,
+        adapter,
+        prompts,
+        request.sampling,
+        [],
+        request.sampling.stop,
+        request.logprobs,
+        request.stream,
+    )
+    model = request.model or models.name
+    if request.stream:
+        return _completion_stream(generation, model, request)
+    results = generation.finished()
+    choices = []
+    for p, group in enumerate(results):
+        for j, (sample, sequence) in enumerate(group):
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = _completion_logprobs(generation, sample, range(sample.tracker.visible_tokens()))
+            index = p * request.sampling.n + j
+            choices.append(
+                responses.text_choice(index, sample.tracker.text, _finish_reason(sequence), logprobs)
+            )
+    return responses.text_completion(responses.new_id("cmpl"), model, choices, *generation.usage(results))
+
+
+def _completion_logprobs(generation: Generation, sample: _Sample, positions: range) -> dict[str, Any]:
+    offsets = [sample.tracker.starts[i] for i in positions]
+    return responses.completion_logprobs(*generation.token_view(sample, positions), offsets)
+
+
+def _completion_stream(
+    generation: Generation, model: str, request: CompletionRequest
+) -> Iterator[dict[str, Any]]:
+    try:
+        yield from _completion_chunks(generation, model, request)
+    finally:
+        generation.cancel()
+
+
+def _completion_chunks(
+    generation: Generation, model: str, request: CompletionRequest
+) -> Iterator[dict[str, Any]]:
+    id, created = responses.new_id("cmpl"), responses.now()
+    n = request.sampling.n
+    want_logprobs = request.logprobs is not None
+
+    def delta_chunk(job: int, row: int, sample: _Sample):
+        text, positions = sample.tracker.take()
+        if not text and not (positions and want_logprobs):
+            return None
+        logprobs = _completion_logprobs(generation, sample, positions) if want_logprobs else None
+        return responses.text_chunk(id, model, created, job * n + row, text, None, logprobs)
+
+    for job, row, sample in generation.stream():
+        if sample is not None:
+            chunk = delta_chunk(job, row, sample)
+            if chunk is not None:
+                yield chunk
+            continue
+        # Job `job` is done: its samples' last text and finish reasons.
+        sequences = generation.result(job)
+        for r, (done, sequence) in enumerate(zip(generation.jobs[job].samples, sequences)):
+            done.tracker.finish()
+            chunk = delta_chunk(job, r, done)
+            if chunk is not None:
+                yield chunk
+            yield responses.text_chunk(id, model, created, job * n + r, "", _finish_reason(sequence))
+    if request.include_usage:
+        results = generation.results()
+        prompt_tokens = sum(len(j.prompt) for j in generation.jobs)
+        completion_tokens = sum(len(seq.tokens) for group in results for seq in group)
+        yield responses.usage_chunk(id, "text_completion", model, created, prompt_tokens, completion_tokens)

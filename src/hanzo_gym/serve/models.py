@@ -1,0 +1,160 @@
+"""The models a server offers: one base model and named LoRA adapters on one `ModelHost`, every request
+sampled through one `SampleBatcher`. A request's `model` picks the adapter; the base model's name picks none.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from hanzo_gym.model.host import ModelHost
+from hanzo_gym.model.sample_batcher import SampleBatcher
+from hanzo_gym.renderers import Renderer, RendererError, get_renderer
+from hanzo_gym.serve.protocol import APIError
+
+
+@dataclass
+class ServedAdapter:
+    name: str  # what requests call it
+    slot: str  # its name on the host (fresh per load, so a name can be unloaded and loaded again)
+    path: str
+    created: int
+
+
+def default_renderer_name(host: ModelHost) -> str:
+    """Tinker's renderer for the model, else the tokenizer's own chat template (what `model_info` picks)."""
+    from hanzo_gym.renderers import get_recommended_renderer_name
+    from hanzo_gym.renderers.jinja import tokenizer_template
+
+    try:
+        return get_recommended_renderer_name(host.base_model)
+    except RendererError:
+        if tokenizer_template(host.tokenizer) is None:
+            raise
+        return "chat_template"
+
+
+class ServedModels:
+    def __init__(
+        self,
+        host: ModelHost,
+        adapters: dict[str, str] | None = None,
+        renderer: str | None = None,
+        name: str | None = None,
+    ):
+        self.host = host
+        self.batcher = SampleBatcher(host)
+        self.name = name or host.base_model
+        self.created = int(time.time())
+        self.renderer: Renderer | None = None
+        self.renderer_problem = ""
+        try:
+            self.renderer = get_renderer(renderer or default_renderer_name(host), host.tokenizer)
+        except RendererError as exc:
+            if renderer is not None:  # asked for by name: a mistake to report now
+                raise
+            self.renderer_problem = f"{exc}; start the server with --renderer NAME for chat"
+        self._adapters: dict[str, ServedAdapter] = {}
+        self._lock = threading.Lock()  # the adapter table; loading itself holds the host's lock
+        config = host.model.config
+        self.context_length: int | None = getattr(config, "max_position_embeddings", None)
+        self.vocab_size = host.model.get_output_embeddings().weight.shape[0]
+        for adapter_name, path in (adapters or {}).items():
+            self.load(adapter_name, path)
+
+    # -- adapters --------------------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        with self._lock:
+            return [self.name, *self._adapters]
+
+    def adapters(self) -> list[ServedAdapter]:
+        with self._lock:
+            return list(self._adapters.values())
+
+    def adapter_slot(self, model: str | None) -> str | None:
+        """The host adapter that serves `model`; None: the base model (also when a request names no model)."""
+        if model is None or model == self.name:
+            return None
+        with self._lock:
+            adapter = self._adapters.get(model)
+        if adapter is None:
+            raise APIError(
+                f"The model `{model}` does not exist (served: {', '.join(self.names())})",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        return adapter.slot
+
+    def load(self, name: str, path: str) -> ServedAdapter:
+        """Load the PEFT adapter at `path` (a folder or a gym:// sampler path) as model `name`."""
+        from hanzo_gym.tinker.paths import default_root, resolve
+
+        if name == self.name:
+            raise APIError(f"`{name}` is the base model's name", param="lora_name", code="invalid_value")
+        with self._lock:
+            if name in self._adapters:
+                raise APIError(
+                    f"an adapter named `{name}` is already loaded; unload it first",
+                    param="lora_name",
+                    code="invalid_value",
+                )
+            # Claimed before the (slow) load so that a second load of the same name fails at once.
+            adapter = ServedAdapter(name, self.host.new_name("served"), path, int(time.time()))
+            self._adapters[name] = adapter
+        try:
+            self.host.load_adapter(adapter.slot, resolve(path, default_root()))
+        except Exception as exc:  # noqa: BLE001 - whatever the folder holds, the answer is a 400
+            with self._lock:
+                del self._adapters[name]
+            if adapter.slot in self.host.adapters:
+                self.host.retire(adapter.slot)
+            raise APIError(
+                f"cannot load adapter `{name}` from {path}: {exc}", param="lora_path", code="invalid_value"
+            ) from None
+        return adapter
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            adapter = self._adapters.pop(name, None)
+        if adapter is None:
+            raise APIError(
+                f"no adapter named `{name}` is loaded", status=404, param="lora_name", code="model_not_found"
+            )
+        self.host.retire(adapter.slot)
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def chat_renderer(self) -> Renderer:
+        if self.renderer is None:
+            raise APIError(
+                f"this server cannot render chats: {self.renderer_problem}", code="no_chat_template"
+            )
+        return self.renderer
+
+    def default_max_tokens(self, max_tokens: int | None) -> int | None:
+        """What a request without `max_tokens` gets: the rest of the context, or 4096 when that is unknown."""
+        return max_tokens if max_tokens is not None or self.context_length is not None else 4096
+
+    def check_prompt(self, tokens: list[int], max_tokens: int | None, param: str = "messages") -> None:
+        if not tokens:
+            raise APIError(
+                "the prompt is empty: it needs at least one token", param=param, code="invalid_value"
+            )
+        if any(t >= self.vocab_size for t in tokens):
+            raise APIError(
+                f"token ids must be below the vocabulary size {self.vocab_size}",
+                param=param,
+                code="invalid_value",
+            )
+        if self.context_length is None:
+            return
+        wanted = len(tokens) + (max_tokens or 1)
+        if wanted > self.context_length:
+            raise APIError(
+                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
+                f"{wanted} tokens ({len(tokens)} in the prompt, {max_tokens or 1} for the completion). Please "
+                "reduce the prompt or the completion length.",
+                param="max_tokens" if max_tokens and len(tokens) < self.context_length else param,
+                code="context_length_exceeded",
+            )

@@ -1,0 +1,303 @@
+"""The HTTP layer: the standard library's threading server, one thread per request; each request submits to the
+shared batcher and waits. Streams are Server-Sent Events over HTTP/1.1 chunked encoding. Whatever a request
+sends, the answer is JSON (an OpenAI-style error for anything wrong) and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Self
+from urllib.parse import unquote, urlsplit
+
+from hanzo_gym.errors import GymError
+from hanzo_gym.model.host import ModelHost
+from hanzo_gym.serve import api, responses
+from hanzo_gym.serve.models import ServedModels
+from hanzo_gym.serve.protocol import (
+    APIError,
+    parse_chat,
+    parse_completion,
+    parse_load_adapter,
+    parse_unload_adapter,
+)
+
+MAX_BODY = 16 * 1024 * 1024
+POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+GET_ROUTES = ("/v1/models", "/health")
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+    models: ServedModels
+    verbose: bool
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if self.verbose:
+            super().handle_error(request, client_address)
+
+
+class _IPv6HTTPServer(_HTTPServer):
+    address_family = socket.AF_INET6
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "hanzo-gym"
+    timeout = 600  # seconds a connection may sit idle or stall mid-request
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if self.server.verbose:
+            super().log_message(format, *args)
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    def do_POST(self) -> None:
+        self._dispatch()
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_POST
+
+    # -- routing ---------------------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        self._body_read = False
+        try:
+            result = self._route(urlsplit(self.path).path.rstrip("/") or "/")
+        except APIError as error:
+            self._send_json(error.status, error.body())
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug answers 500; it must not take the server down
+            traceback.print_exc(file=sys.stderr)
+            self._send_json(500, APIError(f"internal error: {exc}", 500, "server_error").body())
+            return
+        if isinstance(result, Iterator):
+            self._send_stream(result)
+        elif isinstance(result, str):
+            self._send(200, result.encode(), "text/plain; charset=utf-8")
+        else:
+            self._send_json(200, result)
+
+    def _route(self, path: str) -> Any:
+        models = self.server.models
+        if path in GET_ROUTES or path.startswith("/v1/models/"):
+            self._require("GET")
+            if path == "/health":
+                return {"status": "ok"}
+            if path == "/v1/models":
+                return responses.model_list(_cards(models))
+            wanted = unquote(path[len("/v1/models/") :])
+            for card in _cards(models):
+                if card["id"] == wanted:
+                    return card
+            raise APIError(f"The model `{wanted}` does not exist", 404, param="model", code="model_not_found")
+        if path not in POST_ROUTES:
+            raise APIError(f"no such endpoint: {self.command} {path}", 404, code="not_found")
+        self._require("POST")
+        body = self._read_json()
+        if path == "/v1/chat/completions":
+            return api.chat(models, parse_chat(body))
+        if path == "/v1/completions":
+            return api.complete(models, parse_completion(body))
+        if path == "/v1/load_lora_adapter":
+            request = parse_load_adapter(body)
+            models.load(request.name, request.path)
+            return f"Success: LoRA adapter '{request.name}' added successfully."
+        name = parse_unload_adapter(body)
+        models.unload(name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _require(self, method: str) -> None:
+        if self.command != method:
+            raise APIError(f"{self.path} takes {method}, not {self.command}", 405, code="method_not_allowed")
+
+    def _read_json(self) -> Any:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise APIError("chunked request bodies are not supported: send a Content-Length", 411)
+        header = self.headers.get("Content-Length")
+        if header is None:
+            raise APIError("a JSON body with a Content-Length is required", 411, code="length_required")
+        try:
+            length = int(header)
+        except ValueError:
+            raise APIError(f"bad Content-Length {header!r}", code="invalid_body") from None
+        if length < 0:
+            raise APIError(f"bad Content-Length {header!r}", code="invalid_body")
+        if length > MAX_BODY:
+            raise APIError(f"the body is over {MAX_BODY} bytes", 413, code="body_too_large")
+        data = self.rfile.read(length)
+        self._body_read = True
+        if len(data) < length:
+            self.close_connection = True
+            raise APIError("the body ended before its Content-Length", code="invalid_body")
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise APIError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+    # -- writing ---------------------------------------------------------------------------------------------
+    def _send(self, status: int, data: bytes, content_type: str) -> None:
+        if not self._body_read and int(self.headers.get("Content-Length") or 0) != 0:
+            self.close_connection = True  # the unread body would be taken for the next request
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except (ConnectionError, TimeoutError):
+            self.close_connection = True
+
+    def _send_json(self, status: int, body: Any) -> None:
+        self._send(status, json.dumps(body).encode(), "application/json")
+
+    def _send_stream(self, chunks: Iterator[dict[str, Any]]) -> None:
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            try:
+                for chunk in chunks:
+                    self._write_event(json.dumps(chunk))
+            except APIError as error:  # after the headers: the error travels as an event
+                self._write_event(json.dumps(error.body()))
+            except (ConnectionError, TimeoutError):
+                raise
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc(file=sys.stderr)
+                self._write_event(json.dumps(APIError(f"internal error: {exc}", 500, "server_error").body()))
+            self._write_event("[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (ConnectionError, TimeoutError):
+            self.close_connection = True  # the client left; closing the stream cancels its sampling
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+
+    def _write_event(self, payload: str) -> None:
+        data = f"data: {payload}\n\n".encode()
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+
+def _cards(models: ServedModels) -> list[dict[str, Any]]:
+    cards = [responses.model_card(models.name, models.created, models.host.base_model, None)]
+    cards += [responses.model_card(a.name, a.created, a.path, models.name) for a in models.adapters()]
+    return cards
+
+
+class Server:
+    """An OpenAI-compatible server over `models`. `port=0` takes a free port; `start()` serves on a thread
+    (what tests do), `serve_forever()` on this one; `stop()` ends it."""
+
+    def __init__(
+        self, models: ServedModels, bind: str = "127.0.0.1", port: int = 8000, verbose: bool = False
+    ):
+        self.models = models
+        server_class = _IPv6HTTPServer if ":" in bind else _HTTPServer
+        try:
+            self.httpd = server_class((bind, port), _Handler)
+        except OSError as exc:
+            raise GymError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}") from None
+        self.httpd.models = models
+        self.httpd.verbose = verbose
+        self.bind = bind
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"http://{host}:{self.port}/v1"
+
+    def banner(self) -> str:
+        return f"serving {', '.join(self.models.names())} on {self.url}"
+
+    def start(self) -> Self:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="hanzo-gym-serve", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self.httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self.httpd.server_close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(
+    host: ModelHost,
+    adapters: dict[str, str] | None = None,
+    bind: str = "127.0.0.1",
+    port: int = 8000,
+    renderer: str | None = None,
+    name: str | None = None,
+    verbose: bool = False,
+) -> None:
+    """Serve `host`'s base model and `adapters` (name → PEFT folder or gym:// path) until interrupted."""
+    try:
+        models = ServedModels(host, adapters, renderer=renderer, name=name)
+    except APIError as error:
+        raise GymError(error.message) from None
+    server = Server(models, bind, port, verbose)
+    print(server.banner(), flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.stop()
+
+
+def parse_adapter_specs(specs: list[str] | None) -> dict[str, str]:
+    adapters: dict[str, str] = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise GymError(f"--adapter {spec!r}: write NAME=PATH (a PEFT adapter folder or a gym:// path)")
+        if name in adapters:
+            raise GymError(f"--adapter {name} is given twice")
+        adapters[name.strip()] = path.strip()
+    return adapters
+
+
+def run_serve(
+    model: str,
+    adapter_specs: list[str] | None = None,
+    bind: str = "127.0.0.1",
+    port: int = 8000,
+    renderer: str | None = None,
+    name: str | None = None,
+    verbose: bool = False,
+) -> None:
+    """`gym serve`: load the base model once, then serve it with its adapters."""
+    adapters = parse_adapter_specs(adapter_specs)
+    if not 0 <= port <= 65535:
+        raise GymError(f"--port {port}: use 0-65535")
+    serve(ModelHost(model), adapters, bind, port, renderer, name, verbose)
