@@ -130,3 +130,32 @@ def test_sampling_leaves_the_base_weights_bit_exact_and_the_adapter_on(policy, w
         assert torch.equal(value, after[name]), name
     assert [m.disable_adapters for m in policy.modules() if isinstance(m, LoraLayer)] == switches
     assert switches and not any(switches)  # every LoRA layer is on again
+
+
+def test_models_with_scaled_logits_sample_from_their_own_head(word_tokenizer):
+    """Granite divides its logits by `logits_scaling`: the sampler must go through the model's own head."""
+    from transformers import AutoModelForCausalLM, GraniteConfig
+
+    torch.manual_seed(0)
+    config = GraniteConfig(
+        vocab_size=len(word_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=word_tokenizer.eos_token_id,
+        logits_scaling=4.0,
+        initializer_range=0.2,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompt = PROMPTS[1]
+    [[greedy]] = sample_groups(
+        model, word_tokenizer, [prompt], 1, SamplingParams(max_tokens=6, temperature=0)
+    )
+    assert greedy.tokens == _greedy_without_cache(model, prompt, 6, word_tokenizer.eos_token_id)
+    full = prompt + greedy.tokens
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([full[:-1]])).logits[0].log_softmax(-1)
+    want = logits.gather(1, torch.tensor(full[1:])[:, None]).squeeze(1)[-len(greedy.tokens) :]
+    torch.testing.assert_close(torch.tensor(greedy.logprobs), want, rtol=1e-4, atol=1e-4)
