@@ -14,10 +14,11 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from hanzo_gym import tinker
 from hanzo_gym.cookbook import model_info, renderers
+from hanzo_gym.cookbook.cli_utils import config_from_argv
 from hanzo_gym.cookbook.renderers import TrainOnWhat
 from hanzo_gym.cookbook.supervised.data import conversation_to_datum
 from hanzo_gym.tinker import types
@@ -102,16 +103,5 @@ def main(config: Config):
     return final
 
 
-def config_from_argv(argv: list[str]) -> Config:
-    types_by_name = {f.name: f.type for f in fields(Config)}
-    overrides = {}
-    for argument in argv:
-        key, _, value = argument.partition("=")
-        if key not in types_by_name:
-            sys.exit(f"unknown setting {key!r}; settings: {', '.join(types_by_name)}")
-        overrides[key] = types_by_name[key](value)
-    return Config(**overrides)
-
-
 if __name__ == "__main__":
-    main(config_from_argv(sys.argv[1:]))
+    main(config_from_argv(Config, sys.argv[1:]))

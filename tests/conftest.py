@@ -101,6 +101,25 @@ def word_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, word_tokenizer) -> str:
+    """A tiny random llama saved with the word tokenizer: a model folder that loads like a real one, in no time."""
+    from tiny_models import tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model(
+        "llama",
+        vocab_size=len(word_tokenizer),
+        eos_token_id=word_tokenizer.eos_token_id,
+        pad_token_id=word_tokenizer.pad_token_id,
+        bos_token_id=None,
+        initializer_range=0.2,
+    )
+    model.save_pretrained(directory)
+    word_tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
 def converted_real_model(tmp_path_factory) -> SimpleNamespace:
     """De-quantise the real GGUF once per test run (~30 s) into a session-wide temporary cache."""
     cache = tmp_path_factory.mktemp("hanzo_gym_cache")

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-from tiny_models import tiny_model
 
 from hanzo_gym import tinker
 from hanzo_gym.cli import main
@@ -28,22 +27,6 @@ from hanzo_gym.tinker.paths import resolve
 # Prompts whose greedy answers from the tiny model are long enough to cut (found by looking, then fixed).
 LONG_CHAT = [{"role": "user", "content": "one glad"}]  # base: "hi good hi good be I glad I" then <|im_end|>
 LONG_TEXT = "c are"  # base: 10+ tokens without an end
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, word_tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_model(
-        "llama",
-        vocab_size=len(word_tokenizer),
-        eos_token_id=word_tokenizer.eos_token_id,
-        pad_token_id=word_tokenizer.pad_token_id,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )
-    model.save_pretrained(directory)
-    word_tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from peft import PeftModel
-from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 from hanzo_gym import tinker
@@ -20,22 +19,6 @@ from hanzo_gym.tinker.paths import resolve
 from hanzo_gym.tinker.types.tensor_data import TensorData
 
 ADAM = types.AdamParams(learning_rate=5e-2)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, word_tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_model(
-        "llama",
-        vocab_size=len(word_tokenizer),
-        eos_token_id=word_tokenizer.eos_token_id,
-        pad_token_id=word_tokenizer.pad_token_id,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )
-    model.save_pretrained(directory)
-    word_tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
 @pytest.fixture
@@ -346,3 +329,21 @@ def test_cookbook_model_info_and_conversation_to_datum(tiny_dir, word_tokenizer)
     assert word_tokenizer.decode(trained).startswith("fine thanks")
     cut = conversation_to_datum(messages, renderer, max_length=5)
     assert cut.model_input.length == 4
+
+
+def test_example_settings_parse_from_the_command_line():
+    from dataclasses import dataclass
+
+    from hanzo_gym.cookbook.cli_utils import config_from_argv
+
+    @dataclass
+    class Settings:
+        batches: int = 1
+        learning_rate: float = 1e-4
+        model_name: str = "m"
+
+    assert config_from_argv(Settings, ["batches=3", "learning_rate=3e-4"]) == Settings(3, 3e-4, "m")
+    with pytest.raises(SystemExit, match="key among batches"):
+        config_from_argv(Settings, ["batchez=3"])
+    with pytest.raises(SystemExit, match="not a valid int"):
+        config_from_argv(Settings, ["batches=three"])
