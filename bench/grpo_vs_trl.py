@@ -14,13 +14,11 @@ import itertools
 import json
 import os
 import random
-import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
+
+from harness import add_side_arguments, compare_sides, finish_side, peak_rss_bytes
 
 SEED = 42
 LORA_R, LORA_ALPHA = 16, 32
@@ -47,10 +45,6 @@ def addition_prompts(count: int = PROMPT_COUNT, seed: int = SEED) -> list[dict]:
         question = f"What is {a} + {b}? Answer with the number only."
         rows.append({"messages": [{"role": "user", "content": question}], "answer": str(a + b)})
     return rows
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
 
 
 def timed_window(step_end_times: list[float], step_completions: list[int]) -> dict:
@@ -223,43 +217,6 @@ def run_ours(
 SIDES = {"trl": run_trl, "ours": run_ours}
 
 
-def run_side_in_subprocess(side: str, model_dir: Path, data_path: Path, work_dir: Path, opts) -> dict:
-    result_path = work_dir / f"{side}.json"
-    log_path = work_dir / f"{side}.log"
-    command = [
-        sys.executable,
-        __file__,
-        "--side",
-        side,
-        "--model-dir",
-        str(model_dir),
-        "--data",
-        str(data_path),
-        "--work-dir",
-        str(work_dir / side),
-        "--result",
-        str(result_path),
-        "--steps",
-        str(opts.steps),
-        "--generations",
-        str(opts.generations),
-        "--max-completion-length",
-        str(opts.max_completion_length),
-    ]
-    print(f"running {side} ({opts.steps} steps) ...", file=sys.stderr, flush=True)
-    # Other jobs on a 2-core machine slow a side down (two OpenMP threads stall whenever one core is taken):
-    # the load each side started under says how far to trust the comparison.
-    load_at_start = os.getloadavg()[0]
-    with open(log_path, "w") as log:
-        finished = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT)
-    if finished.returncode != 0:
-        sys.exit(
-            f"{side} failed (exit {finished.returncode}); last lines of its log:\n"
-            + "\n".join(log_path.read_text().splitlines()[-30:])
-        )
-    return {**json.loads(result_path.read_text()), "load_at_start": load_at_start}
-
-
 def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
     def per_second(side: dict) -> float:
         return side["completions"] / side["seconds"]
@@ -325,32 +282,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per side; 2..N are timed")
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt (group size)")
     parser.add_argument("--max-completion-length", type=int, default=32)
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
-    for internal in ("--model-dir", "--data", "--work-dir", "--result"):
-        parser.add_argument(internal, help=argparse.SUPPRESS)
+    add_side_arguments(parser, SIDES)
     opts = parser.parse_args()
     if opts.steps < 2:
         parser.error("--steps must be at least 2: step 1 is warm-up")
-
     if opts.side:
-        result = SIDES[opts.side](
-            opts.model_dir, opts.data, opts.work_dir, opts.steps, opts.generations, opts.max_completion_length
+        finish_side(
+            opts,
+            lambda: SIDES[opts.side](
+                opts.model_dir,
+                opts.data,
+                opts.work_dir,
+                opts.steps,
+                opts.generations,
+                opts.max_completion_length,
+            ),
         )
-        result["peak_rss_bytes"] = peak_rss_bytes()
-        Path(opts.result).write_text(json.dumps(result))
         return
-
-    from hanzo_gym.model.hub import real_model_gguf, resolve_model
-
-    # Converting the GGUF once here keeps the one-off de-quantisation out of both sides' time and memory.
-    model_dir = resolve_model(str(real_model_gguf()))
-    load_at_start = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
-        work_dir = Path(tmp)
-        data_path = work_dir / "prompts.jsonl"
-        data_path.write_text("".join(json.dumps(row) + "\n" for row in addition_prompts()))
-        trl = run_side_in_subprocess("trl", model_dir, data_path, work_dir, opts)
-        ours = run_side_in_subprocess("ours", model_dir, data_path, work_dir, opts)
+    forwarded = [
+        "--generations",
+        str(opts.generations),
+        "--max-completion-length",
+        str(opts.max_completion_length),
+    ]
+    trl, ours, load_at_start = compare_sides(__file__, addition_prompts(), opts.steps, forwarded)
     print_report(trl, ours, opts, load_at_start)
 
 

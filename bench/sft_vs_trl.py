@@ -12,12 +12,10 @@ import argparse
 import json
 import os
 import random
-import resource
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
+
+from harness import add_side_arguments, compare_sides, finish_side, peak_rss_bytes
 
 SEED = 42
 LORA_R, LORA_ALPHA = 16, 32
@@ -46,10 +44,6 @@ def synthetic_rows(count: int, seed: int = SEED) -> list[dict]:
             {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
         )
     return rows
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
 
 
 def timed_window(step_end_times: list[float], step_tokens: list[int]) -> tuple[int, float]:
@@ -188,40 +182,6 @@ def run_ours(model_dir: str, data_path: str, work_dir: str, steps: int, batch: i
 SIDES = {"trl": run_trl, "ours": run_ours}
 
 
-def run_side_in_subprocess(side: str, model_dir: Path, data_path: Path, work_dir: Path, opts) -> dict:
-    result_path = work_dir / f"{side}.json"
-    log_path = work_dir / f"{side}.log"
-    command = [
-        sys.executable,
-        __file__,
-        "--side",
-        side,
-        "--model-dir",
-        str(model_dir),
-        "--data",
-        str(data_path),
-        "--work-dir",
-        str(work_dir / side),
-        "--result",
-        str(result_path),
-        "--steps",
-        str(opts.steps),
-        "--batch",
-        str(opts.batch),
-        "--max-length",
-        str(opts.max_length),
-    ]
-    print(f"running {side} ({opts.steps} steps) ...", file=sys.stderr, flush=True)
-    with open(log_path, "w") as log:
-        finished = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT)
-    if finished.returncode != 0:
-        sys.exit(
-            f"{side} failed (exit {finished.returncode}); last lines of its log:\n"
-            + "\n".join(log_path.read_text().splitlines()[-30:])
-        )
-    return json.loads(result_path.read_text())
-
-
 def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
     def per_second(side: dict) -> float:
         return side["tokens"] / side["seconds"]
@@ -264,32 +224,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
-    for internal in ("--model-dir", "--data", "--work-dir", "--result"):
-        parser.add_argument(internal, help=argparse.SUPPRESS)
+    add_side_arguments(parser, SIDES)
     opts = parser.parse_args()
     if opts.steps < 2:
         parser.error("--steps must be at least 2: step 1 is warm-up")
-
     if opts.side:
-        result = SIDES[opts.side](
-            opts.model_dir, opts.data, opts.work_dir, opts.steps, opts.batch, opts.max_length
+        finish_side(
+            opts,
+            lambda: SIDES[opts.side](
+                opts.model_dir, opts.data, opts.work_dir, opts.steps, opts.batch, opts.max_length
+            ),
         )
-        result["peak_rss_bytes"] = peak_rss_bytes()
-        Path(opts.result).write_text(json.dumps(result))
         return
-
-    from hanzo_gym.model.hub import real_model_gguf, resolve_model
-
-    # Converting the GGUF once here keeps the one-off de-quantisation out of both sides' time and memory.
-    model_dir = resolve_model(str(real_model_gguf()))
-    load_at_start = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="sft-vs-trl-") as tmp:
-        work_dir = Path(tmp)
-        data_path = work_dir / "rows.jsonl"
-        data_path.write_text("".join(json.dumps(row) + "\n" for row in synthetic_rows(opts.rows)))
-        trl = run_side_in_subprocess("trl", model_dir, data_path, work_dir, opts)
-        ours = run_side_in_subprocess("ours", model_dir, data_path, work_dir, opts)
+    forwarded = ["--batch", str(opts.batch), "--max-length", str(opts.max_length)]
+    trl, ours, load_at_start = compare_sides(__file__, synthetic_rows(opts.rows), opts.steps, forwarded)
     print_report(trl, ours, opts, load_at_start)
 
 

@@ -1,0 +1,90 @@
+"""What both benchmarks share: each side runs in its own subprocess (so `ru_maxrss` is that side's own peak)
+on the same de-quantised model and the same data file, and reports a JSON dict back."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+INTERNAL = ("--model-dir", "--data", "--work-dir", "--result")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
+
+
+def add_side_arguments(parser: argparse.ArgumentParser, sides: dict) -> None:
+    """The hidden arguments a side's subprocess is started with."""
+    parser.add_argument("--side", choices=sides, help=argparse.SUPPRESS)
+    for internal in INTERNAL:
+        parser.add_argument(internal, help=argparse.SUPPRESS)
+
+
+def finish_side(opts: argparse.Namespace, run: Callable[[], dict]) -> None:
+    """In a side's subprocess: run it and write its result, with its peak memory, where the parent reads it."""
+    result = run()
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    Path(opts.result).write_text(json.dumps(result))
+
+
+def compare_sides(
+    script: str, rows: list[dict], steps: int, forwarded: list[str]
+) -> tuple[dict, dict, float]:
+    """Run TRL's side, then ours, on `rows`; return both results and the load average before they started."""
+    from hanzo_gym.model.hub import real_model_gguf, resolve_model
+
+    # Converting the GGUF once here keeps the one-off de-quantisation out of both sides' time and memory.
+    model_dir = resolve_model(str(real_model_gguf()))
+    load_at_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix=f"{Path(script).stem}-") as tmp:
+        work_dir = Path(tmp)
+        data_path = work_dir / "data.jsonl"
+        data_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        results = [
+            _run_side(script, side, model_dir, data_path, work_dir, steps, forwarded)
+            for side in ("trl", "ours")
+        ]
+    return results[0], results[1], load_at_start
+
+
+def _run_side(
+    script: str, side: str, model_dir: Path, data_path: Path, work_dir: Path, steps: int, forwarded: list[str]
+) -> dict:
+    result_path = work_dir / f"{side}.json"
+    log_path = work_dir / f"{side}.log"
+    command = [
+        sys.executable,
+        script,
+        "--side",
+        side,
+        "--model-dir",
+        str(model_dir),
+        "--data",
+        str(data_path),
+        "--work-dir",
+        str(work_dir / side),
+        "--result",
+        str(result_path),
+        "--steps",
+        str(steps),
+        *forwarded,
+    ]
+    print(f"running {side} ({steps} steps) ...", file=sys.stderr, flush=True)
+    # Other jobs on a 2-core machine slow a side down (two OpenMP threads stall whenever one core is taken):
+    # the load each side started under says how far to trust the comparison.
+    load_at_start = os.getloadavg()[0]
+    with open(log_path, "w") as log:
+        finished = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT)
+    if finished.returncode != 0:
+        sys.exit(
+            f"{side} failed (exit {finished.returncode}); last lines of its log:\n"
+            + "\n".join(log_path.read_text().splitlines()[-30:])
+        )
+    return {**json.loads(result_path.read_text()), "load_at_start": load_at_start}
