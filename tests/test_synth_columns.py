@@ -360,7 +360,7 @@ def test_retry_until_a_row_passes(llm):
                 {"name": "answer", "llm": "text", "prompt": "{{ n }}"},
             ],
             "validators": [
-                {"column": "n", "kind": "expression", "expression": "n == 7", "on_fail": "retry:200"}
+                {"column": "n", "kind": "expression", "expression": "n == 7", "on_fail": "retry:100"}
             ],
         },
         1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -329,3 +330,181 @@ def test_model_endpoint_must_be_a_url_and_a_constant_prompt_is_warned_about(tmp_
     with caplog.at_level("WARNING"):
         make_plan(load_design(path), {})
     assert "column `a`: prompt references no column: every row gets the same prompt" in caplog.text
+
+
+def test_whitespace_control_keeps_a_single_expression_typed(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+        random_seed: 0
+        columns:
+          - {name: n, sampler: uniform, low: 1, high: 5, integer: true}
+          - {name: double, expression: "{{- n * 2 -}}"}
+          - {name: text, expression: "  {{- n }} and {{ n -}}  !"}
+        """,
+    )
+    report = synthesize(load_design(path), preview=3)
+    for row in report.rows:
+        assert row["double"] == 2 * row["n"] and type(row["double"]) is int
+        assert row["text"] == f"{row['n']} and {row['n']}!"
+
+
+def test_expression_syntax_errors_are_config_errors_with_file_line_and_column(tmp_path):
+    message = error_of(
+        tmp_path,
+        """
+        columns:
+          - {name: n, sampler: uniform, low: 1, high: 5}
+          - name: broken
+            expression: "{{- n +* 2 -}}"
+          - name: multi
+            expression: |
+              first line
+              {{ n ) }}
+        """,
+    )
+    lines = message.splitlines()
+    assert lines[0].startswith(
+        f"{tmp_path}/design.yaml:4: column `broken`: `expression` = '{{{{- n +* 2 -}}}}'"
+    )
+    assert "bad template" in lines[0] and "unexpected '*'" in lines[0]
+    assert lines[1].startswith(f"{tmp_path}/design.yaml:6: column `multi`: ")
+    assert "(template line 2): unexpected ')'" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "params, key",
+    [
+        ("sampler: uniform, low: 0, high: .inf", "high"),
+        ("sampler: uniform, low: .nan, high: 1", "low"),
+        ("sampler: poisson, mean: .inf", "mean"),
+        ("sampler: gaussian, mean: 0, std: .nan", "std"),
+        ("sampler: category, values: [a, b], weights: [1, .inf]", "weights[1]"),
+        ("sampler: uniform, low: -1.0e308, high: 1.0e308", None),
+        ("sampler: poisson, mean: 1.0e30", "mean"),
+        ("sampler: binomial, n: 100000000000000000000, p: 0.5", "n"),
+    ],
+)
+def test_non_finite_or_undrawable_sampler_parameters_are_load_errors(tmp_path, params, key):
+    message = error_of(tmp_path, f"columns:\n  - {{name: x, {params}}}\n")
+    prefix = f"{tmp_path}/design.yaml:2: column `x`: "
+    assert message.startswith(prefix + (f"`{key}` = " if key else ""))
+    if key in ("high", "low", "mean", "std", "weights[1]") and "e30" not in params:
+        assert "finite number" in message
+
+
+def test_timezone_aware_datetimes_keep_their_offset(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+        random_seed: 0
+        columns:
+          - name: at
+            sampler: datetime
+            start: 2024-01-01T00:00:00+02:00
+            end: 2024-01-01T00:00:00+00:00
+            format: "%Y-%m-%dT%H:%M:%S%z"
+        """,
+    )
+    rows = synthesize(load_design(path), preview=20).rows
+    assert all(row["at"].endswith("+0200") for row in rows)
+    instants = [datetime.strptime(row["at"], "%Y-%m-%dT%H:%M:%S%z") for row in rows]
+    low, high = datetime(2023, 12, 31, 22, tzinfo=UTC), datetime(2024, 1, 1, tzinfo=UTC)
+    assert all(low <= t < high for t in instants)  # the two real hours between the instants
+
+    message = error_of(
+        tmp_path,
+        """
+        columns:
+          - {name: at, sampler: datetime, start: 2024-01-01T00:00:00+02:00, end: 2024-02-01}
+        """,
+    )
+    assert message.startswith(f"{tmp_path}/design.yaml:2: column `at`: ")
+    assert "both with a UTC offset or both without" in message
+
+
+@pytest.mark.parametrize("fmt", ["%B", "%d/%m", "%Y-%m-%d %I:%M"])
+def test_timedelta_refuses_a_reference_format_it_cannot_read_back(tmp_path, fmt):
+    message = error_of(
+        tmp_path,
+        f"""
+        columns:
+          - {{name: t, sampler: datetime, start: 2024-01-01, end: 2024-12-01, format: "{fmt}"}}
+          - name: later
+            sampler: timedelta
+            reference: t
+            min: 1
+            max: 3
+        """,
+    )
+    assert message.startswith(f"{tmp_path}/design.yaml:5: column `later`: reference `t` has format `{fmt}`")
+    assert "cannot read back" in message
+
+
+def test_timedelta_accepts_a_date_only_or_offset_reference_format(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+        random_seed: 0
+        columns:
+          - {name: t, sampler: datetime, start: 2024-01-01, end: 2024-02-01, format: "%d %B %Y"}
+          - {name: later, sampler: timedelta, reference: t, min: 1, max: 2, format: "%Y-%m-%d"}
+        """,
+    )
+    for row in synthesize(load_design(path), preview=10).rows:
+        assert datetime.strptime(row["later"], "%Y-%m-%d") - datetime.strptime(row["t"], "%d %B %Y") == (
+            timedelta(days=1)
+        )
+
+
+def test_data_designer_parameter_names_are_accepted(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+        random_seed: 0
+        rows: 200
+        columns:
+          - {name: g, sampler: gaussian, mean: 10, stddev: 0.001, decimal_places: 1}
+          - {name: die, sampler: uniform, low: 1, high: 6, convert_to: int}
+          - {name: cut, sampler: gaussian, mean: 2.7, stddev: 0.001, convert_to: int}
+          - {name: topic, sampler: category, values: [math, art]}
+          - {name: sub, sampler: subcategory, category: topic, values: {math: [algebra], art: [drawing]}}
+          - {name: t, sampler: datetime, start: 2024-01-01, end: 2024-01-02, convert_to: "%Y-%m-%d"}
+          - {name: later, sampler: timedelta, reference_column_name: t, dt_min: 2, dt_max: 3, unit: D}
+        """,
+    )
+    rows = synthesize(load_design(path), preview=200).rows
+    assert {row["g"] for row in rows} == {10.0}
+    assert {row["die"] for row in rows} == {1, 2, 3, 4, 5, 6}  # ours: both ends included
+    assert {row["cut"] for row in rows} == {2}  # int() truncates, as in Data Designer
+    assert all(row["sub"] == {"math": "algebra", "art": "drawing"}[row["topic"]] for row in rows)
+    assert {(row["t"], row["later"]) for row in rows} == {("2024-01-01", "2024-01-03")}
+
+
+def test_a_data_designer_name_and_ours_together_is_an_error_on_the_alias_line(tmp_path):
+    message = error_of(
+        tmp_path,
+        """
+        columns:
+          - name: g
+            sampler: gaussian
+            mean: 0
+            std: 1
+            stddev: 2
+          - name: h
+            sampler: gaussian
+            mean: 0
+            stddev: -1
+          - {name: i, sampler: gaussian, mean: 0, stddev: .inf}
+        """,
+    )
+    lines = message.splitlines()
+    assert lines[0] == (
+        f"{tmp_path}/design.yaml:2: column `g`: `stddev` is Data Designer's name for `std`: give one of them, "
+        "not both"
+    )
+    assert lines[1] == f"{tmp_path}/design.yaml:7: column `h`: gaussian needs std > 0"
+    # A key-level error names the alias as written, on its line.
+    assert (
+        lines[2] == f"{tmp_path}/design.yaml:11: column `i`: `stddev` = inf: Input should be a finite number"
+    )

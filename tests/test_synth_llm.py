@@ -250,3 +250,74 @@ def test_concurrency_is_limited_per_model(llm):
 
     assert asyncio.run(go()) == ["ok"] * 8
     assert llm.peak_active == 2
+
+
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": True}}
+
+
+def _calls(settings: ModelSettings, prompts: list[str], response_format=None):
+    """Each prompt in turn through one client: the replies (or errors) and the client."""
+
+    async def go():
+        async with httpx2.AsyncClient(trust_env=False) as http:
+            client = ChatClient("m", settings, None, http)
+            results = []
+            for prompt in prompts:
+                try:
+                    results.append(await client.chat([{"role": "user", "content": prompt}], response_format))
+                except (CallFailed, EndpointRefused) as exc:
+                    results.append(exc)
+            return results, client
+
+    return asyncio.run(go())
+
+
+def test_a_400_about_something_else_keeps_response_format_on(llm):
+    # One prompt is "too long" with or without response_format; the endpoint takes response_format otherwise.
+    llm.script = lambda r: Reply(status=400) if r.user == "too long" else Reply('{"a": 1}')
+    results, client = _calls(_settings(llm), ["too long", "short"], RESPONSE_FORMAT)
+    assert isinstance(results[0], CallFailed) and "http 400" in str(results[0])
+    assert results[1] == '{"a": 1}'
+    assert client.takes_response_format is True
+    # The failing prompt was asked once more without response_format; the next call still sends it.
+    assert [(r.user, "response_format" in r.body) for r in llm.requests] == [
+        ("too long", True),
+        ("too long", False),
+        ("short", True),
+    ]
+
+
+def test_a_400_naming_response_format_switches_it_off_without_a_probe(llm):
+    refusal = json.dumps({"error": {"message": "`response_format` other than text is not supported"}})
+
+    def script(request):
+        if "response_format" in request.body:
+            return Reply(status=400, raw=refusal.encode())
+        return Reply('{"a": 1}')
+
+    llm.script = script
+    results, client = _calls(_settings(llm), ["one", "two"], RESPONSE_FORMAT)
+    assert results == ['{"a": 1}', '{"a": 1}']
+    assert client.takes_response_format is False
+    assert ["response_format" in r.body for r in llm.requests] == [True, False, False]
+
+
+def test_a_model_whose_first_calls_all_get_the_same_400_stops_the_run(llm):
+    # LiteLLM and OpenRouter answer 400, not 404, for a model they do not serve.
+    llm.script = lambda r: Reply(status=400)
+    results, _ = _calls(_settings(llm, name="no-such-model"), [f"p{i}" for i in range(8)])
+    assert all(isinstance(r, CallFailed) for r in results[:4])
+    assert all(isinstance(r, EndpointRefused) for r in results[4:])
+    assert "first 5 calls all failed with http 400" in str(results[4]) and "no-such-model" in str(results[4])
+    assert len(llm.requests) == 5  # once refused, no further calls are made
+
+
+def test_400s_after_a_success_or_mixed_statuses_only_fail_their_calls(llm):
+    llm.script = lambda r: Reply("ok") if r.index == 0 else Reply(status=400)
+    results, _ = _calls(_settings(llm), [f"p{i}" for i in range(8)])
+    assert results[0] == "ok" and all(isinstance(r, CallFailed) for r in results[1:])
+
+    llm.requests.clear()
+    llm.script = lambda r: Reply(status=400 if r.index % 2 else 422)
+    results, _ = _calls(_settings(llm), [f"p{i}" for i in range(8)])
+    assert all(isinstance(r, CallFailed) for r in results) and len(llm.requests) == 8

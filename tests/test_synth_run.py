@@ -300,3 +300,124 @@ def test_example_design_writes_chat_rows_for_gym_train(llm):
         assert assistant["content"] == f"That makes {row['answer']}."
         assert isinstance(row["answer"], str)
     assert len(llm.requests) > 4  # wrong sums were asked again
+
+
+def test_a_model_answering_400_to_every_call_stops_the_run_instead_of_spending_max_attempts(tmp_path, llm):
+    llm.script = lambda r: Reply(status=400)
+    path = write_design(tmp_path, llm, max_attempts=200, rows=50)
+    with pytest.raises(EndpointRefused, match="first 5 calls all failed with http 400"):
+        synthesize(path)
+    assert len(llm.requests) < 10  # not 200 row attempts' worth
+    assert read_jsonl(tmp_path / "out.jsonl") == []
+
+
+def test_non_json_values_become_json_in_preview_and_file_alike(tmp_path, capsys):
+    text = f"""
+random_seed: 3
+rows: 2
+output: {tmp_path / "out.jsonl"}
+columns:
+  - {{name: day, sampler: category, values: [2024-01-01, 2]}}
+  - {{name: span, expression: "{{{{ range(3) }}}}"}}
+  - {{name: pairs, expression: "{{{{ {{'a': 1}}.items() }}}}"}}
+  - {{name: pair, expression: "{{{{ (1, day) }}}}"}}
+  - {{name: upper, expression: "{{{{ ['x', 'y'] | map('upper') }}}}"}}
+"""
+    path = tmp_path / "design.yaml"
+    path.write_text(text)
+    assert main(["synth", str(path), "--preview", "2"]) == 0
+    shown = capsys.readouterr().out
+    rows = json.loads("[" + shown.replace("}\n{", "},\n{") + "]")
+    assert main(["synth", str(path)]) == 0
+    written = read_jsonl(tmp_path / "out.jsonl")
+    assert rows == written and len(rows) == 2
+    for row in rows:
+        assert row["day"] in ("2024-01-01", 2)
+        assert row["span"] == [0, 1, 2]
+        assert row["pairs"] == [["a", 1]]
+        assert row["pair"] == [1, row["day"]]
+        assert row["upper"] == ["X", "Y"]
+
+
+def test_a_value_with_no_json_form_fails_its_column_with_the_cause(tmp_path):
+    design = parse_design(
+        {
+            "random_seed": 0,
+            "max_attempts": 4,
+            "columns": [
+                {"name": "word", "sampler": "category", "values": ["nan", "ns"]},
+                {"name": "number", "expression": "{{ word | float if word == 'nan' else 1 }}"},
+                {"name": "thing", "expression": "{{ namespace(a=1) if word == 'ns' else 1 }}"},
+            ],
+        }
+    )
+    report = synthesize(design, preview=1)
+    assert report.delivered == 0
+    assert set(report.tally.failed) == {"number", "thing"} and report.tally.attempts == 4
+    assert "not JSON" in report.tally.reasons["column number"]
+    assert "nan is not a finite number" in report.tally.reasons["column number"]
+    assert "(a Namespace) has no JSON form" in report.tally.reasons["column thing"]
+
+
+def test_retries_count_against_max_attempts(tmp_path):
+    never = {
+        "column": "n",
+        "kind": "expression",
+        "expression": "n < 0",
+        "on_fail": "retry:3",
+        "name": "never",
+    }
+    design = {
+        "random_seed": 0,
+        "rows": 5,
+        "max_attempts": 8,
+        "columns": [{"name": "n", "sampler": "uniform", "low": 0, "high": 9, "integer": True}],
+        "validators": [never],
+    }
+    report = synthesize(parse_design(design), preview=5)
+    # Each attempt costs 1 + 3 retries: two attempts spend the budget of 8.
+    assert (report.tally.attempts, report.tally.retries) == (2, 6)
+    assert report.shortfall.startswith(
+        "delivered 0 of 5 rows: max_attempts (8) spent after 2 row attempts + 6"
+    )
+
+
+def test_retry_count_is_capped_at_load(tmp_path):
+    path = tmp_path / "design.yaml"
+    path.write_text(
+        "columns:\n  - {name: n, sampler: uniform, low: 0, high: 9}\n"
+        "validators:\n  - column: n\n    kind: length\n    max: 1\n    on_fail: retry:99999999999\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        synthesize(str(path), preview=1)
+    assert str(caught.value).startswith(f"{path}:7: validators[0]: `on_fail` = 'retry:99999999999'")
+    assert "at most retry:100" in str(caught.value)
+
+
+def test_sampler_only_retries_yield_to_the_event_loop():
+    import asyncio
+
+    from hanzo_gym.synth.plan import make_plan
+    from hanzo_gym.synth.run import RowMaker
+
+    never = {"column": "n", "kind": "expression", "expression": "n < 0", "on_fail": "retry:100"}
+    design = {"columns": [{"name": "n", "sampler": "uniform", "low": 0, "high": 9}], "validators": [never]}
+    maker = RowMaker(make_plan(parse_design(design), {}), 0, {})
+
+    async def go():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        outcome = await maker.make(0)
+        task.cancel()
+        return outcome, ticks
+
+    outcome, ticks = asyncio.run(go())
+    assert outcome.dropped_by is not None and outcome.retries == 100
+    assert ticks >= 100  # the other task ran between retries

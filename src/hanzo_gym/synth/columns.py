@@ -21,6 +21,7 @@ from hanzo_gym.synth.expressions import Condition, RenderError, Template
 from hanzo_gym.synth.extract import ParseFailed, extract_code, extract_json_object
 from hanzo_gym.synth.llm import CallFailed, ChatClient
 from hanzo_gym.synth.samplers import Sampler, SamplerError
+from hanzo_gym.synth.values import NotJSON, json_value
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,11 @@ class SamplerColumn:
                 if condition.holds(row):
                     sampler = conditional_sampler
                     break
-            row[self.name] = sampler.draw(ctx.rng, row)
+            row[self.name] = json_value(sampler.sample(ctx.rng, row))
         except (SamplerError, RenderError) as exc:
             raise ColumnFailed(self.name, str(exc)) from None
+        except NotJSON as exc:
+            raise ColumnFailed(self.name, f"the value is not JSON: {exc}") from None
 
 
 class _ColumnModel(BaseModel):
@@ -98,8 +101,8 @@ def _cast(value: Any, dtype: str) -> Any:
         return (
             value
             if isinstance(value, str)
-            else json.dumps(value)
-            if isinstance(value, dict | list)
+            else json.dumps(json_value(value))
+            if isinstance(value, dict | list | tuple)
             else str(value)
         )
     if dtype == "float":
@@ -134,9 +137,13 @@ class ExpressionColumn(_ColumnModel):
     async def fill(self, row: dict, ctx: RowContext) -> None:
         try:
             value = self._template.evaluate(row)
-            row[self.name] = value if self.dtype is None else _cast(value, self.dtype)
+            row[self.name] = json_value(value if self.dtype is None else _cast(value, self.dtype))
         except RenderError as exc:
             raise ColumnFailed(self.name, str(exc)) from None
+        except NotJSON as exc:
+            raise ColumnFailed(
+                self.name, f"`{self.expression}` gives a value that is not JSON: {exc}"
+            ) from None
         except (TypeError, ValueError) as exc:
             raise ColumnFailed(self.name, f"cannot make {value!r} a {self.dtype}: {exc}") from None
 

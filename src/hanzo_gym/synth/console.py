@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.synth.run import SynthShortfall, Tally, synthesize
+from hanzo_gym.synth.values import row_json
 
 
 class _ProgressBar:
@@ -43,7 +43,7 @@ def run_synth_command(design_path: str, preview: int | None = None) -> None:
         bar.close()
     if preview is not None:
         for row in report.rows:
-            print(json.dumps(row, indent=2, ensure_ascii=False))
+            print(row_json(row, indent=2))
         print(report.format(), file=sys.stderr)
     else:
         print(report.format())

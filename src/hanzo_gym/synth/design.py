@@ -117,10 +117,20 @@ class ErrorList:
         where = f"{self.source}:{line}" if line else self.source
         self.messages.append((line or 0, f"{where}: {label + ': ' if label else ''}{message}"))
 
-    def add_validation(self, exc: ValidationError, base: Loc, label: str, valid_keys: list[str]) -> None:
+    def add_validation(
+        self,
+        exc: ValidationError,
+        base: Loc,
+        label: str,
+        valid_keys: list[str],
+        written_as: dict[str, str] | None = None,
+    ) -> None:
+        """`written_as`: our key → the alias the design used for it, so messages and lines name what was written."""
         for error in exc.errors():
             # Pydantic adds tags such as 'function-after[...]' to loc: keep real keys and indices only.
             inner = tuple(p for p in error["loc"] if isinstance(p, int) or "[" not in p)
+            if inner and written_as and inner[0] in written_as:
+                inner = (written_as[inner[0]], *inner[1:])
             self.add(base + inner, _explain(error, inner, valid_keys), label)
 
     def raise_if_any(self) -> None:
@@ -159,7 +169,7 @@ def _parse_sampler_column(raw: dict, base: Loc, label: str, errors: ErrorList) -
             (*base, "sampler"), f"unknown sampler `{kind}`; {hint}use one of {', '.join(SAMPLERS)}", label
         )
         return None
-    valid_keys = sorted({*SAMPLER_COLUMN_KEYS, *cls.model_fields})
+    valid_keys = sorted({*SAMPLER_COLUMN_KEYS, *cls.model_fields, *cls.ALIASES})
     params = {k: v for k, v in raw.items() if k not in SAMPLER_COLUMN_KEYS}
     drop = raw.get("drop", False)
     if not isinstance(drop, bool):
@@ -182,7 +192,9 @@ def _parse_sampler_column(raw: dict, base: Loc, label: str, errors: ErrorList) -
         if not isinstance(overrides, dict):
             errors.add(at, f"condition `{condition_text}` needs a mapping of {kind} parameters", label)
             continue
-        conditional_sampler = _validate_sampler(cls, {**params, **overrides}, at, label, valid_keys, errors)
+        # Each side may use Data Designer's names: make both ours before the overrides replace base values.
+        merged = {**_canonical_params(cls, params)[0], **_canonical_params(cls, overrides)[0]}
+        conditional_sampler = _validate_sampler(cls, merged, at, label, valid_keys, errors)
         if conditional_sampler is not None:
             conditional.append((condition, conditional_sampler))
     if sampler is None:
@@ -190,14 +202,36 @@ def _parse_sampler_column(raw: dict, base: Loc, label: str, errors: ErrorList) -
     return SamplerColumn(name=raw["name"], sampler=sampler, conditional=conditional, drop=drop is True)
 
 
+def _canonical_params(cls: type[Sampler], params: dict) -> tuple[dict, dict[str, str], list[str]]:
+    """Data Designer's parameter names → ours; also our key → alias written, and problems (both names given)."""
+    renamed: dict = {}
+    written_as: dict[str, str] = {}
+    problems: list[str] = []
+    for key, value in params.items():
+        ours = cls.ALIASES.get(key) if isinstance(key, str) else None
+        if ours is None:
+            renamed[key] = value
+            continue
+        if ours in params:
+            problems.append(f"`{key}` is Data Designer's name for `{ours}`: give one of them, not both")
+            continue
+        renamed[ours] = value
+        written_as[ours] = key
+    return renamed, written_as, problems
+
+
 def _validate_sampler(
     cls: type[Sampler], params: dict, base: Loc, label: str, valid_keys: list[str], errors: ErrorList
 ) -> Sampler | None:
+    params, written_as, problems = _canonical_params(cls, params)
+    for problem in problems:
+        errors.add(base, problem, label)
     try:
-        return cls.model_validate(params)
+        sampler = cls.model_validate(params)
     except ValidationError as exc:
-        errors.add_validation(exc, base, label, valid_keys)
+        errors.add_validation(exc, base, label, valid_keys, written_as)
         return None
+    return None if problems else sampler
 
 
 def _parse_column(raw: Any, index: int, errors: ErrorList) -> Column | None:

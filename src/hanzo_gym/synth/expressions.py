@@ -16,6 +16,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hanzo_gym.errors import ConfigError, GymError
+from hanzo_gym.synth.values import json_value
 
 
 class RenderError(GymError):
@@ -24,7 +25,7 @@ class RenderError(GymError):
 
 def _finalize(value: Any) -> Any:
     if isinstance(value, dict | list):
-        return json.dumps(value, ensure_ascii=False)
+        return json.dumps(json_value(value), ensure_ascii=False)
     return value
 
 
@@ -33,11 +34,17 @@ def _finalize(value: Any) -> Any:
 _ENV = ImmutableSandboxedEnvironment(
     undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True, finalize=_finalize
 )
-_SINGLE_OUTPUT = re.compile(r"^\s*\{\{(?P<inner>.*)\}\}\s*$", re.DOTALL)
+# `{{- … -}}` (whitespace control) is the same single expression as `{{ … }}`.
+_SINGLE_OUTPUT = re.compile(r"^\s*\{\{-?(?P<inner>.*?)-?\}\}\s*$", re.DOTALL)
 
 
 def _syntax_error(source: str, exc: TemplateError) -> ConfigError:
-    return ConfigError(f"bad template {source!r}: {exc}")
+    where = ""
+    lineno = getattr(exc, "lineno", None)
+    if lineno and "\n" in source.strip():
+        where = f" (template line {lineno})"
+    message = getattr(exc, "message", None) or str(exc)
+    return ConfigError(f"bad template {source!r}{where}: {message}")
 
 
 def _top_level_names(ast: nodes.Template) -> set[str]:
@@ -49,25 +56,25 @@ class Template:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        self._native = None
         try:
             ast = _ENV.parse(source)
             self._template = _ENV.from_string(source)
+            match = _SINGLE_OUTPUT.match(source)
+            # Surrounding whitespace (a YAML block scalar's newline) does not turn an expression into text.
+            body = _ENV.parse(source.strip()).body
+            is_single_expression = (
+                match is not None
+                and len(body) == 1
+                and isinstance(body[0], nodes.Output)
+                and len(body[0].nodes) == 1
+                and not isinstance(body[0].nodes[0], nodes.TemplateData)
+            )
+            if is_single_expression:
+                self._native = _ENV.compile_expression(match["inner"], undefined_to_none=False)
         except TemplateError as exc:
             raise _syntax_error(source, exc) from None
         self.variables = _top_level_names(ast)
-        self._native = None
-        match = _SINGLE_OUTPUT.match(source)
-        # Surrounding whitespace (a YAML block scalar's newline) does not turn an expression into text.
-        body = _ENV.parse(source.strip()).body
-        is_single_expression = (
-            match is not None
-            and len(body) == 1
-            and isinstance(body[0], nodes.Output)
-            and len(body[0].nodes) == 1
-            and not isinstance(body[0].nodes[0], nodes.TemplateData)
-        )
-        if is_single_expression:
-            self._native = _ENV.compile_expression(match["inner"], undefined_to_none=False)
 
     def render_text(self, row: dict) -> str:
         """The template as text (prompts)."""
@@ -119,6 +126,7 @@ def _guard(thunk, source: str) -> Any:
         ZeroDivisionError,
         KeyError,
         IndexError,
+        NameError,  # Jinja's constant folding can emit a name it never defines (`'nan' | float`)
         AttributeError,
     ) as exc:
         raise RenderError(f"template {source!r}: {exc}") from None

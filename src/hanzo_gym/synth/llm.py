@@ -3,8 +3,14 @@
 Each model has its own concurrency gate. Transport errors, timeouts, 429 and 5xx replies are retried with
 exponential back-off (or the server's Retry-After); a reply that is not a usable completion is retried the same
 way. Errors that cannot heal by waiting — a refused key (401/403) or an unknown model or path (404) — raise
-`EndpointRefused`, which stops the whole run. Anything else that still fails after the retries raises
-`CallFailed`, which costs only the row that made the call.
+`EndpointRefused`, which stops the whole run. So does a model whose first `REFUSAL_CALLS` calls all fail with
+the same 4xx while none has ever succeeded: servers such as LiteLLM and OpenRouter answer 400, not 404, for a
+model they do not serve. Anything else that still fails after the retries raises `CallFailed`, which costs
+only the row that made the call.
+
+`response_format` is switched off for a model only when the endpoint is shown not to take it: its 400/422
+names `response_format` / `json_schema`, or the same request without it succeeds. A 400 about something else
+(one prompt over the context length) leaves it on.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from hanzo_gym.errors import GymError
 
 DEFAULT_ENDPOINT = "https://api.hanzo.ai/v1"
 MAX_RETRY_WAIT_S = 60.0
+# A model whose first this many calls all fail with one 4xx status, none ever succeeding, stops the run.
+REFUSAL_CALLS = 5
+_RESPONSE_FORMAT_WORDS = ("response_format", "json_schema")
 
 
 class ModelSettings(BaseModel):
@@ -70,7 +79,20 @@ class _Transient(Exception):
 
 
 class _RejectsResponseFormat(Exception):
-    pass
+    """A 400/422 to a body with response_format; `certain` when the error names response_format itself."""
+
+    def __init__(self, failure: CallFailed, certain: bool) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+        self.certain = certain
+
+
+class _ClientError(CallFailed):
+    """A 4xx (not 401/403/404/408/429) about this request; `status` feeds the unknown-model check."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -116,6 +138,9 @@ class ChatClient:
         self._http = http
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._gate = asyncio.Semaphore(settings.concurrency)
+        self._succeeded = False
+        self._early_statuses: list[int] | None = []  # 4xx of calls before any success; None: stop watching
+        self._refused: EndpointRefused | None = None
 
     def _body(self, messages: list[dict], response_format: dict | None) -> dict:
         body: dict[str, Any] = {"model": self.settings.name, "messages": messages}
@@ -129,25 +154,67 @@ class ChatClient:
 
     async def chat(self, messages: list[dict], response_format: dict | None = None) -> str:
         """The assistant's reply text for `messages`."""
+        if self._refused is not None:
+            raise self._refused
+        try:
+            reply = await self._chat(messages, response_format)
+        except _ClientError as exc:
+            self._note_client_error(exc)
+            raise
+        self._succeeded = True
+        return reply
+
+    async def _chat(self, messages: list[dict], response_format: dict | None) -> str:
         attempts = self.settings.retries + 1
         attempt = 0
         reason = ""
+        probe: _RejectsResponseFormat | None = None  # set while asking again without response_format
         while attempt < attempts:
-            body = self._body(messages, response_format)
+            body = self._body(messages, None if probe is not None else response_format)
             try:
                 async with self._gate:
-                    return await self._post(body)
-            except _RejectsResponseFormat:
-                # Endpoints without structured-output support answer 400/422; the prompt already asks for a
-                # fenced JSON object, so drop response_format for this model from now on and ask again.
-                self.takes_response_format = False
+                    reply = await self._post(body)
+            except _RejectsResponseFormat as exc:
+                if exc.certain:
+                    # The endpoint says it does not take response_format; the prompt already asks for a fenced
+                    # JSON object, so leave it out for this model from now on.
+                    self.takes_response_format = False
+                else:
+                    probe = exc  # a 400 that does not say why: ask once more without response_format
                 continue
+            except _ClientError:
+                if probe is not None:
+                    # Refused without response_format too: the 400 was about this request, and response_format
+                    # stays on for the model.
+                    raise probe.failure from None
+                raise
             except _Transient as exc:
                 reason = str(exc)
                 attempt += 1
                 if attempt < attempts:
                     await asyncio.sleep(self._backoff(attempt, exc.retry_after))
+                continue
+            if probe is not None:
+                self.takes_response_format = False
+            return reply
         raise CallFailed(f"model `{self.alias}`: {reason} (gave up after {attempts} attempts)")
+
+    def _note_client_error(self, exc: _ClientError) -> None:
+        """Stop the run when a model's first calls all fail alike: it is most likely not served there."""
+        if self._succeeded or self._early_statuses is None:
+            return
+        self._early_statuses.append(exc.status)
+        if len(set(self._early_statuses)) > 1:
+            self._early_statuses = None
+            return
+        if len(self._early_statuses) >= REFUSAL_CALLS:
+            self._refused = EndpointRefused(
+                f"model `{self.alias}`: its first {REFUSAL_CALLS} calls all failed with http {exc.status} and "
+                f"none has succeeded: `{self.settings.name}` is probably not served at "
+                f"{self.settings.endpoint} (some servers answer 400 for an unknown model), or every request "
+                f"is refused for the same reason. Last answer: {exc}"
+            )
+            raise self._refused
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
@@ -202,7 +269,9 @@ class ChatClient:
             )
         if status in (429, 408) or status >= 500:
             raise _Transient(detail, _retry_after_seconds(response.headers.get("retry-after")))
-        if status in (400, 422) and "response_format" in body:
-            raise _RejectsResponseFormat()
         # Another 4xx is about this request (say, a prompt over the context length): this row's call fails.
-        raise CallFailed(f"model `{self.alias}`: {detail}")
+        failure = _ClientError(f"model `{self.alias}`: {detail}", status)
+        if status in (400, 422) and "response_format" in body:
+            text = response.text.lower()
+            raise _RejectsResponseFormat(failure, any(word in text for word in _RESPONSE_FORMAT_WORDS))
+        raise failure

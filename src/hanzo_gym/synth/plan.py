@@ -20,9 +20,11 @@ from hanzo_gym.synth.samplers import (
     DatetimeSampler,
     SubcategorySampler,
     TimedeltaSampler,
+    reference_format_problem,
     value_key,
 )
 from hanzo_gym.synth.validators import Validator
+from hanzo_gym.synth.values import NotJSON, json_value
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,13 @@ def _read_seed(design: Design, errors: ErrorList) -> list[dict]:
         return []
     from hanzo_gym.data.sources import read_rows
 
-    rows = [row.data for row in read_rows(seed.path, seed.split)]
+    rows = []
+    for index, row in enumerate(read_rows(seed.path, seed.split)):
+        try:
+            rows.append(json_value(row.data))  # a parquet timestamp becomes ISO text, as in any column
+        except NotJSON as exc:
+            errors.add(("seed", "path"), f"seed row {index}: a value is not JSON: {exc}")
+            return []
     if not rows:
         errors.add(("seed", "path"), f"seed dataset is empty: {seed.path}")
     return rows
@@ -142,6 +150,15 @@ def _check_sampler_links(
                 errors.add(
                     (*at, "reference"),
                     f"reference `{sampler.reference}` must be a datetime sampler column",
+                    label,
+                )
+                return
+            problem = reference_format_problem(reference.sampler.format)
+            if problem is not None:
+                errors.add(
+                    (*at, "reference"),
+                    f"reference `{sampler.reference}` has format `{reference.sampler.format}`, which a timedelta "
+                    f"cannot read back ({problem}); give `{sampler.reference}` a format with the full date",
                     label,
                 )
                 return

@@ -1,4 +1,8 @@
-"""Generate rows until `rows` pass every validator or `max_attempts` row attempts are spent.
+"""Generate rows until `rows` pass every validator or the `max_attempts` budget is spent.
+
+The budget counts row generations: each row attempt costs one, and each validator retry inside it one more
+(settled in index order, so where the budget runs out does not depend on timing). An attempt begun within the
+budget finishes its own retries.
 
 Row attempt i draws from its own generator seeded by (random_seed, i) and takes its seed-dataset row from i, so
 what an attempt produces does not depend on concurrency. Attempts run concurrently but are settled in index
@@ -44,6 +48,7 @@ class Outcome:
     dropped_by: str | None = None  # validator label
     failed_column: str | None = None
     reason: str = ""
+    retries: int = 0  # validator retries this attempt made; each costs one of `max_attempts`
 
 
 @dataclass
@@ -55,9 +60,16 @@ class Tally:
     failed: Counter = field(default_factory=Counter)
     reasons: dict[str, str] = field(default_factory=dict)  # "validator X" / "column Y" → last reason
     usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    retries: int = 0
+
+    @property
+    def spent(self) -> int:
+        """What counts against `max_attempts`: row attempts plus validator retries."""
+        return self.attempts + self.retries
 
     def settle(self, outcome: Outcome) -> None:
         self.attempts += 1
+        self.retries += outcome.retries
         if outcome.dropped_by is not None:
             self.dropped[outcome.dropped_by] += 1
             self.reasons[f"validator {outcome.dropped_by}"] = outcome.reason
@@ -72,6 +84,7 @@ class Tally:
             "failed": dict(self.failed),
             "reasons": self.reasons,
             "usage": self.usage,
+            "retries": self.retries,
         }
 
     @classmethod
@@ -82,6 +95,7 @@ class Tally:
             Counter(data.get("failed", {})),
             dict(data.get("reasons", {})),
             {k: dict(v) for k, v in data.get("usage", {}).items()},
+            data.get("retries", 0),
         )
 
 
@@ -111,17 +125,21 @@ class SynthReport:
         ]
         return (
             f"delivered {self.delivered} of {self.requested} rows: max_attempts ({self.budget}) spent after "
-            f"{self.tally.attempts} row attempts; "
+            f"{self.tally.attempts} row attempts{self._retries_text}; "
             + ("; ".join(causes) or "no attempt failed")
             + ". Raise `max_attempts` and run the same command again to continue."
         )
+
+    @property
+    def _retries_text(self) -> str:
+        return f" + {self.tally.retries} retries" if self.tally.retries else ""
 
     def format(self) -> str:
         where = f" to {self.output}" if self.output else ""
         resumed = f", continuing after row {self.resumed_rows}" if self.resumed_rows else ""
         lines = [
             f"synth: {self.delivered}/{self.requested} rows delivered{where} ("
-            + f"{self.tally.attempts} row attempts{resumed}; {self.seconds:.1f} s)"
+            + f"{self.tally.attempts} row attempts{self._retries_text}{resumed}; {self.seconds:.1f} s)"
         ]
         if self.tally.dropped:
             lines.append(
@@ -185,6 +203,7 @@ class RowMaker:
         ctx = RowContext(np.random.default_rng([self.random_seed, _STREAM_ROW, attempt]), self.clients)
         row = dict(self.seed_row(attempt))
         validators = self.plan.validators
+        retries = 0
         try:
             for column in self.plan.order:
                 await column.fill(row, ctx)
@@ -197,14 +216,18 @@ class RowMaker:
                     position += 1
                     continue
                 if budgets[position] == 0:
-                    return Outcome(attempt, dropped_by=validator.label, reason=why)
+                    return Outcome(attempt, dropped_by=validator.label, reason=why, retries=retries)
                 budgets[position] -= 1
+                retries += 1
+                # Sampler-only columns never await anything: let other rows and the event loop run.
+                await asyncio.sleep(0)
                 for column in self.plan.downstream[validator.column]:
                     await column.fill(row, ctx)
                 position = 0
         except ColumnFailed as exc:
-            return Outcome(attempt, failed_column=exc.column, reason=exc.reason)
-        return Outcome(attempt, row={k: v for k, v in row.items() if k not in self._dropped_keys})
+            return Outcome(attempt, failed_column=exc.column, reason=exc.reason, retries=retries)
+        row = {k: v for k, v in row.items() if k not in self._dropped_keys}
+        return Outcome(attempt, row=row, retries=retries)
 
 
 async def _settle_in_order(
@@ -217,17 +240,23 @@ async def _settle_in_order(
 ) -> None:
     """Run attempts `start`, `start+1`, … up to `window` at a time; hand outcomes to `settle` in index order.
 
-    Stops once `need` settled outcomes carried a row, or the attempt budget is spent. More attempts start only
-    while the rows already in hand plus those in flight fall short of `need`, so no calls are spent on rows
-    that could not be used.
+    `budget` is what is left of `max_attempts`: each settled attempt spends one plus its retries. Stops once
+    `need` settled outcomes carried a row, or the budget is spent; an attempt that finished but whose turn
+    comes after the budget ran out is not settled (a resumed run with a larger budget redoes it). More attempts
+    start only while the rows in hand plus those in flight fall short of `need`, and while the budget could
+    still reach them, so no calls are spent on rows that could not be used.
     """
     in_flight: dict[int, asyncio.Task] = {}
     finished: dict[int, Outcome] = {}
-    next_attempt, next_settle, delivered = start, start, 0
+    next_attempt, next_settle, delivered, spent = start, start, 0, 0
     try:
-        while delivered < need:
+        while delivered < need and spent < budget:
             in_hand = delivered + sum(1 for o in finished.values() if o.row is not None)
-            while len(in_flight) < window and next_attempt < budget and in_hand + len(in_flight) < need:
+            while (
+                len(in_flight) < window
+                and spent + len(in_flight) + len(finished) < budget
+                and in_hand + len(in_flight) < need
+            ):
                 in_flight[next_attempt] = asyncio.create_task(maker.make(next_attempt))
                 next_attempt += 1
             if not in_flight:
@@ -235,10 +264,11 @@ async def _settle_in_order(
             done, _ = await asyncio.wait(in_flight.values(), return_when=asyncio.FIRST_COMPLETED)
             for attempt in [a for a, t in in_flight.items() if t in done]:
                 finished[attempt] = in_flight.pop(attempt).result()  # fatal errors surface here
-            while next_settle in finished and delivered < need:
+            while next_settle in finished and delivered < need and spent < budget:
                 outcome = finished.pop(next_settle)
                 next_settle += 1
                 delivered += outcome.row is not None
+                spent += 1 + outcome.retries
                 settle(outcome)
     finally:
         for task in in_flight.values():
@@ -317,9 +347,10 @@ def synthesize(
     clients: dict[str, ChatClient] = {}
     try:
         need = keys.rows - sink.delivered
-        if need > 0:
+        budget_left = keys.attempt_budget - tally.spent
+        if need > 0 and budget_left > 0:
             clients = asyncio.run(
-                _generate(plan, sink.random_seed, need, sink.next_attempt, keys.attempt_budget, settle)
+                _generate(plan, sink.random_seed, need, sink.next_attempt, budget_left, settle)
             )
     finally:
         sink.close()

@@ -1,7 +1,8 @@
 """Sampler columns: each kind is a strict pydantic model of its parameters plus a `draw` from a seeded generator.
 
 Every draw takes the row's own numpy Generator, so a row's values depend only on (random_seed, attempt index),
-not on how many rows run at once.
+not on how many rows run at once. Every float parameter must be finite. `ALIASES` lists Data Designer's names
+for parameters that are called differently here; a design may use either name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from hanzo_gym.errors import GymError
+from hanzo_gym.synth.values import NotJSON, json_value
+
+_INT_LIMIT = 2**62  # integer parameters numpy can draw with (int64), with room for `high + 1`
+_POISSON_MAX_MEAN = 1e18  # numpy refuses larger means
 
 
 class SamplerError(GymError):
@@ -27,8 +32,15 @@ def value_key(value: Any) -> str:
 
 
 class Sampler(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    # allow_inf_nan=False: `.inf` or `.nan` for any float parameter is a load error naming the key.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, allow_inf_nan=False)
     kind: ClassVar[str]
+    # Data Designer's name for a parameter → ours; a design may use either (not both).
+    ALIASES: ClassVar[dict[str, str]] = {}
+
+    def sample(self, rng: np.random.Generator, row: dict) -> Any:
+        """The cell value: the draw, then any `convert_to`."""
+        return self.draw(rng, row)
 
     def references(self) -> set[str]:
         """Columns this sampler reads from the row."""
@@ -42,6 +54,30 @@ def _round(value: float, decimal_places: int | None) -> float:
     return value if decimal_places is None else round(value, decimal_places)
 
 
+def _json_values(values: list[Any]) -> list[Any]:
+    # A value written in the design (an unquoted YAML date, say) is stored as JSON (ISO text) from the start.
+    try:
+        return [json_value(v) for v in values]
+    except NotJSON as exc:
+        raise ValueError(str(exc)) from None
+
+
+class _Numeric(Sampler):
+    """Data Designer's `convert_to: int | float | str` for numeric samplers (int truncates toward zero)."""
+
+    convert_to: Literal["int", "float", "str"] | None = None
+
+    def sample(self, rng: np.random.Generator, row: dict) -> Any:
+        value = self.draw(rng, row)
+        if self.convert_to == "int":
+            return int(value)
+        if self.convert_to == "float":
+            return float(value)
+        if self.convert_to == "str":
+            return str(value)
+        return value
+
+
 class CategorySampler(Sampler):
     kind: ClassVar[str] = "category"
     values: list[Any]
@@ -52,7 +88,7 @@ class CategorySampler(Sampler):
     def _not_empty(cls, values: list[Any]) -> list[Any]:
         if not values:
             raise ValueError("category needs at least one value")
-        return values
+        return _json_values(values)
 
     @model_validator(mode="after")
     def _weights_fit(self) -> CategorySampler:
@@ -73,16 +109,18 @@ class CategorySampler(Sampler):
 
 class SubcategorySampler(Sampler):
     kind: ClassVar[str] = "subcategory"
+    ALIASES: ClassVar[dict[str, str]] = {"category": "parent"}
     parent: str
     values: dict[Any, list[Any]]
 
     @field_validator("values")
     @classmethod
     def _keys_as_text(cls, values: dict[Any, list[Any]]) -> dict[str, list[Any]]:
-        empty = [value_key(k) for k, v in values.items() if not v]
+        keys = _json_values(list(values))
+        empty = [value_key(k) for k, v in zip(keys, values.values(), strict=True) if not v]
         if empty:
             raise ValueError(f"no values listed for parent value(s) {empty}")
-        return {value_key(k): v for k, v in values.items()}
+        return {value_key(k): _json_values(v) for k, v in zip(keys, values.values(), strict=True)}
 
     def references(self) -> set[str]:
         return {self.parent}
@@ -92,7 +130,10 @@ class SubcategorySampler(Sampler):
         return choices[int(rng.integers(len(choices)))]
 
 
-class UniformSampler(Sampler):
+class UniformSampler(_Numeric):
+    """`integer: true` (or Data Designer's `convert_to: int`) draws an int in [ceil(low), floor(high)], both
+    ends included; Data Designer truncates a float draw in [low, high), which never gives `high`."""
+
     kind: ClassVar[str] = "uniform"
     low: float
     high: float
@@ -101,8 +142,14 @@ class UniformSampler(Sampler):
 
     @model_validator(mode="after")
     def _ordered(self) -> UniformSampler:
+        if self.convert_to == "int":
+            self.integer = True
         if not self.high > self.low:
             raise ValueError("uniform needs high > low")
+        if not math.isfinite(self.high - self.low):
+            raise ValueError("uniform: high - low is too large to draw from")
+        if self.integer and max(abs(self.low), abs(self.high)) > _INT_LIMIT:
+            raise ValueError(f"uniform: integer bounds must lie within ±2**62 (±{_INT_LIMIT})")
         if self.integer and math.ceil(self.low) > math.floor(self.high):
             raise ValueError(f"uniform: no integer lies between low {self.low} and high {self.high}")
         return self
@@ -114,8 +161,9 @@ class UniformSampler(Sampler):
         return _round(float(rng.uniform(self.low, self.high)), self.decimal_places)
 
 
-class GaussianSampler(Sampler):
+class GaussianSampler(_Numeric):
     kind: ClassVar[str] = "gaussian"
+    ALIASES: ClassVar[dict[str, str]] = {"stddev": "std"}
     mean: float
     std: float
     min: float | None = None
@@ -141,7 +189,7 @@ class GaussianSampler(Sampler):
         raise SamplerError(f"gaussian: {self.MAX_DRAWS} draws fell outside min..=max")
 
 
-class BernoulliSampler(Sampler):
+class BernoulliSampler(_Numeric):
     kind: ClassVar[str] = "bernoulli"
     p: float = Field(ge=0, le=1)
 
@@ -149,18 +197,18 @@ class BernoulliSampler(Sampler):
         return int(rng.random() < self.p)
 
 
-class BinomialSampler(Sampler):
+class BinomialSampler(_Numeric):
     kind: ClassVar[str] = "binomial"
-    n: int = Field(ge=0)
+    n: int = Field(ge=0, le=_INT_LIMIT)
     p: float = Field(ge=0, le=1)
 
     def draw(self, rng: np.random.Generator, row: dict) -> Any:
         return int(rng.binomial(self.n, self.p))
 
 
-class PoissonSampler(Sampler):
+class PoissonSampler(_Numeric):
     kind: ClassVar[str] = "poisson"
-    mean: float = Field(ge=0)
+    mean: float = Field(ge=0, le=_POISSON_MAX_MEAN)
 
     def draw(self, rng: np.random.Generator, row: dict) -> Any:
         return int(rng.poisson(self.mean))
@@ -185,9 +233,10 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "D": 86400}
 
 
 def _parse_instant(value: Any) -> datetime:
-    # YAML already turns an unquoted 2024-01-01 into a date, and 2024-01-01 10:00:00 into a datetime.
+    # YAML already turns an unquoted 2024-01-01 into a date, and 2024-01-01 10:00:00 into a datetime (with its
+    # timezone when it has an offset). A timezone is kept.
     if isinstance(value, datetime):
-        return value.replace(tzinfo=None)
+        return value
     if isinstance(value, date):
         return datetime(value.year, value.month, value.day)
     if isinstance(value, str):
@@ -196,7 +245,14 @@ def _parse_instant(value: Any) -> datetime:
                 return datetime.strptime(value.strip(), pattern)
             except ValueError:
                 continue
-    raise ValueError(f"{value!r} is not a date; write YYYY-MM-DD, YYYY-MM-DDTHH:MM:SS or YYYY-MM-DD HH:MM:SS")
+        try:
+            return datetime.fromisoformat(value.strip())  # with an offset: 2024-01-01T10:00:00+02:00, …Z
+        except ValueError:
+            pass
+    raise ValueError(
+        f"{value!r} is not a date; write YYYY-MM-DD, YYYY-MM-DDTHH:MM:SS or YYYY-MM-DD HH:MM:SS, optionally "
+        "with a UTC offset (+02:00 or Z)"
+    )
 
 
 def _check_format(fmt: str) -> str:
@@ -210,9 +266,35 @@ def _check_format(fmt: str) -> str:
     return fmt
 
 
+# Instants whose every field differs (and an afternoon hour), to see what a format keeps when read back.
+_PROBES = (datetime(2001, 2, 3, 16, 17, 18, tzinfo=UTC), datetime(1987, 11, 29, 9, 8, 7, tzinfo=UTC))
+
+
+def reference_format_problem(fmt: str) -> str | None:
+    """Why text written with `fmt` cannot be read back into the instant it shows (for a timedelta), or None.
+
+    Read back, the date must be the same and each time field either the same or dropped (zero): `%B` alone
+    (no year or day) or `%I` without `%p` would put the timedelta on a wrong base.
+    """
+    for probe in _PROBES:
+        text = probe.strftime(fmt)
+        try:
+            back = datetime.strptime(text, fmt)
+        except ValueError as exc:
+            return f"its text ({text!r}) cannot be read back: {exc}"
+        same_date = (back.year, back.month, back.day) == (probe.year, probe.month, probe.day)
+        fields = zip(
+            (back.hour, back.minute, back.second), (probe.hour, probe.minute, probe.second), strict=True
+        )
+        if not same_date or any(got not in (0, want) for got, want in fields):
+            return f"{text!r} reads back as {back.replace(tzinfo=None).isoformat()}, not the instant written"
+    return None
+
+
 class DatetimeSampler(Sampler):
     kind: ClassVar[str] = "datetime"
-    model_config = ConfigDict(extra="forbid", strict=False, validate_default=True)
+    model_config = ConfigDict(extra="forbid", strict=False, validate_default=True, allow_inf_nan=False)
+    ALIASES: ClassVar[dict[str, str]] = {"convert_to": "format"}
     start: datetime
     end: datetime
     format: str = "%Y-%m-%dT%H:%M:%S"
@@ -230,12 +312,15 @@ class DatetimeSampler(Sampler):
 
     @model_validator(mode="after")
     def _ordered(self) -> DatetimeSampler:
+        if (self.start.tzinfo is None) != (self.end.tzinfo is None):
+            raise ValueError("datetime: give `start` and `end` both with a UTC offset or both without")
         if not self.start < self.end:
             raise ValueError("datetime needs start < end")
         return self
 
     def draw(self, rng: np.random.Generator, row: dict) -> Any:
-        start = self.start.replace(tzinfo=UTC)
+        # Without an offset the instants are UTC (`%z` shows +0000); with one, values are in start's offset.
+        start = self.start if self.start.tzinfo is not None else self.start.replace(tzinfo=UTC)
         seconds = int((self.end - self.start).total_seconds())
         offset = int(rng.integers(seconds))
         offset -= offset % _UNIT_SECONDS[self.unit]
@@ -246,6 +331,12 @@ class TimedeltaSampler(Sampler):
     """A datetime a whole number of `unit`s in [min, max) after the `reference` datetime column."""
 
     kind: ClassVar[str] = "timedelta"
+    ALIASES: ClassVar[dict[str, str]] = {
+        "reference_column_name": "reference",
+        "dt_min": "min",
+        "dt_max": "max",
+        "convert_to": "format",
+    }
     reference: str
     min: int = Field(ge=0)
     max: int

@@ -14,6 +14,7 @@ from hanzo_gym.errors import ConfigError
 from hanzo_gym.synth.expressions import Condition, RenderError
 
 _ON_FAIL = re.compile(r"drop|retry:(?P<n>[0-9]+)")
+MAX_RETRIES = 100
 
 
 def cell_text(value: Any) -> str:
@@ -39,8 +40,13 @@ class Validator(BaseModel):
     @field_validator("on_fail")
     @classmethod
     def _on_fail_form(cls, value: str) -> str:
-        if _ON_FAIL.fullmatch(value) is None:
+        match = _ON_FAIL.fullmatch(value)
+        if match is None:
             raise ValueError(f"on_fail `{value}`: use drop or retry:<n>")
+        if match["n"] is not None and int(match["n"]) > MAX_RETRIES:
+            raise ValueError(
+                f"on_fail `{value}`: at most retry:{MAX_RETRIES} (each retry counts against max_attempts)"
+            )
         return value
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hanzo_gym.errors import ConfigError, DataError
+from hanzo_gym.synth.values import row_json
 
 STATE_VERSION = 1
 
@@ -37,10 +38,6 @@ def _atomic_write(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def row_json(row: dict) -> str:
-    return json.dumps(row, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 class RowSink:
@@ -156,7 +153,7 @@ def _to_cell(value: Any, kind: pa.DataType) -> Any:
     if value is None:
         return None
     if kind == pa.string() and not isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False, default=str)
+        return json.dumps(value, ensure_ascii=False)
     if kind == pa.float64():
         return float(value)
     return value
