@@ -142,8 +142,6 @@ def main(config: Config):
             f"datums {len(datums):3d}  {time.monotonic() - started:6.1f} s",
             flush=True,
         )
-        if not datums:
-            continue
         # Training step
         fwd_bwd = training_client.forward_backward(datums, loss_fn="importance_sampling")
         optim = training_client.optim_step(adam_params)

@@ -450,6 +450,8 @@ BAD_REQUESTS = [
     ("/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, 404),
     ("/v1/unload_lora_adapter", {}, 400),
     ("/v1/embeddings", {"input": "hi"}, 404),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400),
+    (TEXT, b'{"prompt": "\\udfff"}', 400),
 ]
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -80,6 +82,11 @@ def test_gradients_accumulate_across_forward_backward_calls_until_optim_step(ser
     # forward() must not leave gradients behind.
     split.forward([datum(SENTENCES[2])], "cross_entropy")
     split.forward_backward([datum(SENTENCES[0])], "cross_entropy")
+    # Other adapters activated in between (a snapshot, the base model) must not disturb the accumulation.
+    snapshot = split.save_weights_and_get_sampling_client()
+    snapshot.sample(types.ModelInput.from_ints([8, 9]), 2, types.SamplingParams(max_tokens=3)).result()
+    base = service.create_sampling_client(base_model=tiny_dir)
+    base.compute_logprobs(types.ModelInput.from_ints(SENTENCES[1])).result()
     split.forward_backward([datum(SENTENCES[1]), datum(SENTENCES[2])], "cross_entropy")
     split.optim_step(ADAM)
     whole.forward_backward([datum(s) for s in SENTENCES], "cross_entropy")
@@ -347,3 +354,94 @@ def test_example_settings_parse_from_the_command_line():
         config_from_argv(Settings, ["batchez=3"])
     with pytest.raises(SystemExit, match="not a valid int"):
         config_from_argv(Settings, ["batches=three"])
+
+
+def test_a_fresh_service_resumes_a_saved_state_exactly(tmp_path, tiny_dir):
+    def step(client):
+        client.forward_backward([datum(s) for s in SENTENCES], "cross_entropy")
+        client.optim_step(ADAM)
+
+    first = tinker.ServiceClient(root=tmp_path / "runs").create_lora_training_client(tiny_dir, rank=4, seed=1)
+    step(first)
+    path = first.save_state("s").result().path
+    step(first)
+    later = tinker.ServiceClient(root=tmp_path / "runs").create_training_client_from_state_with_optimizer(
+        path
+    )
+    step(later)
+    assert loss_of(later) == pytest.approx(loss_of(first), rel=1e-6)
+
+
+def test_a_dropped_sampling_client_still_answers_its_pending_requests(service, tiny_dir):
+    client = service.create_lora_training_client(tiny_dir, rank=4, seed=0)
+    params = types.SamplingParams(max_tokens=3, seed=0)
+    prompt = types.ModelInput.from_ints([8, 9])
+    futures = [client.save_weights_and_get_sampling_client().sample(prompt, 2, params) for _ in range(3)]
+    gc.collect()
+    assert all(len(f.result(timeout=30).sequences) == 2 for f in futures)
+    del futures
+    gc.collect()
+    client.forward([datum(SENTENCES[0])], "cross_entropy").result()
+    assert client._host.adapters == [client._adapter]  # every snapshot's slot is gone again
+
+
+def test_a_custom_loss_may_call_other_clients_on_the_same_model(service, tiny_dir):
+    client = service.create_lora_training_client(tiny_dir, rank=4, seed=0)
+    reference = service.create_sampling_client(base_model=tiny_dir)
+    data = [datum(s) for s in SENTENCES[:2]]
+
+    def margin_to_reference(batch, logprobs):
+        total = torch.zeros(())
+        for d, lp in zip(batch, logprobs):
+            tokens = [*d.model_input.to_ints(), d.loss_fn_inputs["target_tokens"].tolist()[-1]]
+            ref = reference.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=20)[1:]
+            total = total - (lp - torch.tensor(ref)).sum()
+        return total, {"margin": -total.item()}
+
+    out = client.forward_backward_custom(data, margin_to_reference).result(timeout=60)
+    assert out.metrics["margin"] == pytest.approx(0.0, abs=1e-4)  # the adapter starts as the base model
+
+
+def test_waiting_with_a_timeout_does_not_cancel_the_request(service, tiny_dir):
+    client = service.create_lora_training_client(tiny_dir, rank=4, seed=0)
+
+    def slow_loss(batch, logprobs):
+        time.sleep(0.5)
+        return -logprobs[0].sum(), {}
+
+    async def run():
+        client.forward_backward_custom([datum(SENTENCES[0])], slow_loss)  # keeps the worker busy
+        queued = client.forward_backward([datum(SENTENCES[1])], "cross_entropy")
+        with pytest.raises(asyncio.TimeoutError):
+            await queued.result_async(timeout=0.05)
+        return await queued
+
+    out = asyncio.run(run())
+    assert out.metrics["loss:sum"] > 0 and len(out.loss_fn_outputs) == 1
+
+
+def test_bad_requests_fail_their_caller_and_everything_keeps_working(service, tiny_dir):
+    client = service.create_lora_training_client(tiny_dir, rank=4, seed=0)
+    sampler = client.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints([8, 9])
+    with pytest.raises(GymError, match="SamplingParams"):
+        sampler.sample(prompt, 1, {"max_tokens": 2})
+    with pytest.raises(GymError, match="not a token id"):
+        sampler.sample(types.ModelInput.from_ints([8, 10_000]), 1, types.SamplingParams(max_tokens=2))
+    with pytest.raises(GymError, match="max_tokens must be at least 1"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=0)).result(timeout=10)
+    out_of_vocabulary = types.Datum(
+        model_input=types.ModelInput.from_ints([8, 9]),
+        loss_fn_inputs={"target_tokens": [9, 5000], "weights": [1.0, 1.0]},
+    )
+    with pytest.raises(GymError, match="datum 0: target_tokens holds 5000"):
+        client.forward_backward([out_of_vocabulary], "cross_entropy").result()
+    with pytest.raises(GymError, match="unknown keys \\['clip'\\]"):
+        client.forward([datum(SENTENCES[0])], "cross_entropy", {"clip": 1.0}).result()
+    with pytest.raises(GymError, match="AdamParams"):
+        client.optim_step(None)
+    empty = client.forward_backward([], "importance_sampling").result()
+    assert (empty.loss_fn_outputs, empty.metrics["loss:sum"]) == ([], 0.0)
+    assert (
+        len(sampler.sample(prompt, 2, types.SamplingParams(max_tokens=2)).result(timeout=30).sequences) == 2
+    )

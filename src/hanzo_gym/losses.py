@@ -82,3 +82,12 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     **{name: _RL for name in LOSS_FNS if name != "cross_entropy"},
 }
 OPTIONAL_INPUTS: tuple[str, ...] = ("ref_logprobs", "kl_weights")
+
+# The loss_fn_config keys each loss reads (Tinker's names); anything else is a mistake worth reporting.
+CONFIG_KEYS = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": ("clip_low_threshold", "clip_high_threshold"),
+    "cispo": ("clip_low_threshold", "clip_high_threshold"),
+    "dro": ("beta",),
+}

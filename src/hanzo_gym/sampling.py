@@ -189,7 +189,9 @@ def sample_groups(
     device = next(model.parameters()).device
     longest = max(len(p) for p in prompts)
     room = getattr(model.config, "max_position_embeddings", longest + (params.max_tokens or 0)) - longest
-    max_tokens = min(params.max_tokens or room, room)
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise GymError(f"max_tokens must be at least 1 (got {params.max_tokens})")
+    max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     if max_tokens < 1:
         raise GymError(f"no room to sample: prompts of {longest} tokens fill the model's context")
     stop_ids, stop_strings = _stop_lists(params.stop)

@@ -48,6 +48,10 @@ class ModelHost:
         return self.scorer.device
 
     @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
     def adapters(self) -> list[str]:
         return list(self.model.peft_config) if isinstance(self.model, PeftModel) else []
 
@@ -68,7 +72,10 @@ class ModelHost:
                     self.model = get_peft_model(self.model, config, adapter_name=name)
             except ValueError as exc:
                 raise ModelError(f"cannot attach LoRA to {self.base_model}: {exc}") from None
-            self.model.peft_config[name].base_model_name_or_path = self.base_model
+            # A local base is recorded by its absolute path: the adapter then loads from any working directory.
+            local = Path(self.base_model).expanduser()
+            recorded = str(local.resolve()) if local.exists() else self.base_model
+            self.model.peft_config[name].base_model_name_or_path = recorded
             self.scorer.model = self.model
             self.activate(name)
 

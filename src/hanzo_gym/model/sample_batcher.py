@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hanzo_gym.errors import GymError
 from hanzo_gym.model.host import ModelHost
 from hanzo_gym.sampling import SampledSequence, SamplingParams, sample_groups
 
@@ -28,6 +29,7 @@ class _Request:
     future: concurrent.futures.Future
     # (sample index, token, raw log-probabilities over the vocabulary it was drawn from) as each token is drawn
     on_token: Callable[[int, int, torch.Tensor], None] | None
+    owner: object = None  # kept alive while the request waits: a client's adapter lives as long as the client
 
     def batch_key(self) -> tuple | None:
         if self.params.seed is not None or self.on_token is not None:
@@ -52,9 +54,20 @@ class SampleBatcher:
         num_samples: int,
         params: SamplingParams,
         on_token: Callable[[int, int, torch.Tensor], None] | None = None,
+        owner: object = None,
     ) -> concurrent.futures.Future[list[SampledSequence]]:
+        """Checked here, on the caller's thread: a bad request fails its caller, never the sampler thread."""
+        if not isinstance(params, SamplingParams):
+            raise GymError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise GymError(f"num_samples must be a positive integer (got {num_samples!r})")
+        tokens = list(prompt)
+        vocab = self.host.vocab_size
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise GymError(f"prompt token {bad[0]!r} is not a token id of this model (0 ≤ id < {vocab})")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        request = _Request(adapter, list(prompt), num_samples, params, future, on_token)
+        request = _Request(adapter, tokens, num_samples, params, future, on_token, owner)
         with self._wakeup:
             self._queue.append(request)
             self._wakeup.notify()
@@ -66,7 +79,13 @@ class SampleBatcher:
                 while not self._queue:
                     self._wakeup.wait()
                 batch = self._take_batch()
-            self._run(batch)
+            try:
+                self._run(batch)
+            except BaseException as exc:  # noqa: BLE001 - the thread must outlive any one batch
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(exc)
+            del batch  # the requests hold their clients alive: let them go while the thread waits
 
     def _take_batch(self) -> list[_Request]:
         first = self._queue.popleft()

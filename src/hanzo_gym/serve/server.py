@@ -137,9 +137,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise APIError("the body ended before its Content-Length", code="invalid_body")
         try:
-            return json.loads(data)
+            body = json.loads(data)
         except (ValueError, RecursionError) as exc:
             raise APIError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        try:
+            # JSON escapes can spell a lone surrogate (\ud800), which no tokenizer can encode.
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(
+                "the body holds a lone UTF-16 surrogate: send valid Unicode text", code="invalid_body"
+            ) from None
+        return body
 
     # -- writing ---------------------------------------------------------------------------------------------
     def _send(self, status: int, data: bytes, content_type: str) -> None:

@@ -19,7 +19,9 @@ class APIFuture(Generic[T]):
         return self._future.result(timeout)
 
     async def result_async(self, timeout: float | None = None) -> T:
-        return await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
+        # Shielded: a caller that stops waiting (a timeout, a cancelled task) must not cancel the request
+        # itself, or the calls submitted after it would run without it.
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout)
 
     def done(self) -> bool:
         return self._future.done()

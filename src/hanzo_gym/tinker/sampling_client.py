@@ -4,6 +4,7 @@ snapshot of a training client, or the base model)."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -41,28 +42,30 @@ class SamplingClient:
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
     ) -> APIFuture[SampleResponse]:
-        tokens = _prompt_tokens(prompt)
+        tokens = _prompt_tokens(prompt, self._host.vocab_size)
         if num_samples < 1:
             raise GymError(f"num_samples must be at least 1 (got {num_samples})")
-        sequences = self._batcher.submit(self._adapter, tokens, num_samples, sampling_params)
+        sequences = self._batcher.submit(self._adapter, tokens, num_samples, sampling_params, owner=self)
         if not include_prompt_logprobs and topk_prompt_logprobs <= 0:
-            return APIFuture(_mapped(sequences, lambda seqs: SampleResponse(sequences=seqs)))
+            return APIFuture(_joined([sequences], lambda seqs: SampleResponse(sequences=seqs)))
+        if topk_prompt_logprobs > self._host.vocab_size:
+            raise GymError(f"topk_prompt_logprobs {topk_prompt_logprobs} exceeds the vocabulary")
         scores = self._scoring.submit(
             self._prompt_scores, tokens, include_prompt_logprobs, topk_prompt_logprobs
         )
 
-        def combine(seqs: list) -> SampleResponse:
-            prompt_logprobs, topk = scores.result()
+        def combine(seqs: list, scored: tuple) -> SampleResponse:
+            prompt_logprobs, topk = scored
             return SampleResponse(sequences=seqs, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk)
 
-        return APIFuture(_mapped(sequences, combine))
+        return APIFuture(_joined([sequences, scores._future], combine))
 
     async def sample_async(self, *args: Any, **kwargs: Any) -> SampleResponse:
         return await self.sample(*args, **kwargs)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """log p(token_i | tokens before i) for every prompt token; element 0 is None (nothing precedes it)."""
-        tokens = _prompt_tokens(prompt)
+        tokens = _prompt_tokens(prompt, self._host.vocab_size)
         return self._scoring.submit(lambda: self._prompt_scores(tokens, True, 0)[0])
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
@@ -105,7 +108,7 @@ class SamplingClient:
         return prompt_logprobs, topk_lists
 
 
-def _prompt_tokens(prompt: ModelInput) -> list[int]:
+def _prompt_tokens(prompt: ModelInput, vocab: int) -> list[int]:
     if not isinstance(prompt, ModelInput):
         raise GymError(
             f"prompt must be a ModelInput (ModelInput.from_ints(tokens)), not {type(prompt).__name__}"
@@ -113,17 +116,28 @@ def _prompt_tokens(prompt: ModelInput) -> list[int]:
     tokens = prompt.to_ints()
     if not tokens:
         raise GymError("the prompt is empty: sampling needs at least one token")
+    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise GymError(f"prompt token {bad[0]!r} is not a token id of this model (0 ≤ id < {vocab})")
     return tokens
 
 
-def _mapped(future: concurrent.futures.Future, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+def _joined(futures: list[concurrent.futures.Future], fn: Callable[..., T]) -> concurrent.futures.Future[T]:
+    """A future of fn(*results), set by whichever input finishes last; nothing waits on a worker thread."""
     out: concurrent.futures.Future = concurrent.futures.Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
 
-    def finish(done: concurrent.futures.Future) -> None:
+    def finish(_: concurrent.futures.Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
         try:
-            out.set_result(fn(done.result()))
+            out.set_result(fn(*(f.result() for f in futures)))
         except BaseException as exc:  # noqa: BLE001 - the caller's future carries it
             out.set_exception(exc)
 
-    future.add_done_callback(finish)
+    for future in futures:
+        future.add_done_callback(finish)
     return out

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from hanzo_gym.engine import AdamParams, Engine, check_loss_inputs
 from hanzo_gym.engine import Datum as EngineDatum
 from hanzo_gym.errors import GymError
-from hanzo_gym.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
+from hanzo_gym.losses import CONFIG_KEYS, LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
 from hanzo_gym.model.host import ModelHost, read_adapter
 from hanzo_gym.tinker import paths
 from hanzo_gym.tinker.futures import APIFuture, OrderedWorker
@@ -73,9 +73,14 @@ class TrainingClient:
         weighted cross-entropy pass (weights = -dLoss/dlogprobs), as Tinker does it."""
         if loss_type_input != "logprobs":
             raise GymError(f"loss_type_input {loss_type_input!r}: only 'logprobs' is supported")
-        return self._submit(self._forward_backward_custom, list(data), loss_fn)
+        # Not under the host's lock as a whole: the user's function may call other clients on the same model.
+        return self._worker.submit(self._forward_backward_custom, list(data), loss_fn)
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        if not isinstance(adam_params, AdamParams):
+            raise GymError(f"optim_step takes types.AdamParams, not {type(adam_params).__name__}")
+        if adam_params.learning_rate < 0:
+            raise GymError(f"learning_rate must be >= 0 (got {adam_params.learning_rate})")
         return self._submit(lambda: OptimStepResponse(metrics=self._engine.optim_step(adam_params)))
 
     # -- checkpoints --------------------------------------------------------------------------------------
@@ -171,8 +176,34 @@ class TrainingClient:
 
         return self._worker.submit(run)
 
+    def _engine_datums(
+        self, data: list[Datum], loss_fn: str, need_weights: bool = True, config: dict | None = None
+    ) -> list[EngineDatum]:
+        if loss_fn not in LOSS_FNS:
+            raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
+        unknown = sorted(set(config or {}) - set(CONFIG_KEYS[loss_fn]))
+        if unknown:
+            allowed = ", ".join(CONFIG_KEYS[loss_fn]) or "none"
+            raise GymError(f"loss_fn_config for `{loss_fn}` has unknown keys {unknown}; it takes: {allowed}")
+        vocab = self._host.vocab_size
+        datums = []
+        for index, datum in enumerate(data):
+            if not isinstance(datum, Datum):
+                raise GymError(f"datum {index} is a {type(datum).__name__}; build it with types.Datum(...)")
+            converted = datum.to_engine(index)
+            for what, ids in (("model_input", converted.model_input), ("target_tokens", _targets(converted))):
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    raise GymError(f"datum {index}: {what} holds {bad[0]}, not a token id (0 ≤ id < {vocab})")
+            datums.append(converted)
+        if need_weights and datums:
+            check_loss_inputs(datums, loss_fn)
+        return datums
+
     def _forward(self, data: list[Datum], loss_fn: str, config: dict | None) -> ForwardBackwardOutput:
-        datums = _engine_datums(data, loss_fn)
+        datums = self._engine_datums(data, loss_fn, config=config)
+        if not datums:
+            return _empty_output(loss_fn)
         logprobs = self._engine.forward(datums)
         keys = [*REQUIRED_INPUTS[loss_fn], *(k for k in OPTIONAL_INPUTS if k in datums[0].loss_fn_inputs)]
         inputs = {k: torch.cat([d.loss_fn_inputs[k].float() for d in datums]) for k in keys}
@@ -182,7 +213,10 @@ class TrainingClient:
     def _forward_backward(
         self, data: list[Datum], loss_fn: str, config: dict | None
     ) -> ForwardBackwardOutput:
-        out = self._engine.forward_backward(_engine_datums(data, loss_fn), loss_fn, config)
+        datums = self._engine_datums(data, loss_fn, config=config)
+        if not datums:  # Tinker sends no request for an empty batch: nothing to accumulate
+            return _empty_output(loss_fn)
+        out = self._engine.forward_backward(datums, loss_fn, config)
         return ForwardBackwardOutput(loss_fn, logprobs_output(out.logprobs), {"loss:sum": out.loss_sum})
 
     def _forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> ForwardBackwardOutput:
@@ -193,8 +227,11 @@ class TrainingClient:
                     f"datum {index}: forward_backward_custom takes loss_fn_inputs target_tokens (and optionally "
                     f"weights) only; got {sorted(datum.loss_fn_inputs)}"
                 )
-        datums = _engine_datums(data, "cross_entropy", need_weights=False)
-        leaves = [lp.clone().requires_grad_() for lp in self._engine.forward(datums)]
+        datums = self._engine_datums(data, "cross_entropy", need_weights=False)
+        if not datums:
+            return _empty_output("cross_entropy")
+        with self._host.using(self._adapter):
+            leaves = [lp.clone().requires_grad_() for lp in self._engine.forward(datums)]
         loss, metrics = loss_fn(data, leaves)
         loss.backward()
         weighted = [
@@ -207,7 +244,8 @@ class TrainingClient:
             )
             for d, leaf in zip(datums, leaves)
         ]
-        out = self._engine.forward_backward(weighted, "cross_entropy")
+        with self._host.using(self._adapter):
+            out = self._engine.forward_backward(weighted, "cross_entropy")
         return ForwardBackwardOutput(
             "cross_entropy",
             logprobs_output(out.logprobs),
@@ -241,10 +279,10 @@ class TrainingClient:
         directory = paths.resolve(path, self._service.root)
         config, weights = read_adapter(directory)
         mine = self._host.config(self._adapter)
-        if int(config.r) != int(mine.r) or set(config.target_modules or []) != set(mine.target_modules or []):
+        shape = _adapter_shape(config)
+        if shape != _adapter_shape(mine):
             raise GymError(
-                f"{path}: adapter of rank {config.r} on {sorted(config.target_modules or [])} does not fit this "
-                f"client's rank {mine.r} on {sorted(mine.target_modules or [])}; use "
+                f"{path}: an adapter with {shape} does not fit this client's {_adapter_shape(mine)}; use "
                 "ServiceClient.create_training_client_from_state to start from it"
             )
         self._host.set_weights(self._adapter, weights)
@@ -255,7 +293,7 @@ class TrainingClient:
                 raise GymError(
                     f"{path} holds no optimizer state (a sampler checkpoint?); save it with save_state"
                 )
-            self._engine.optimizer.load_state_dict(torch.load(state_file, weights_only=False))
+            self._engine.optimizer.load_state_dict(torch.load(state_file, weights_only=True))
         else:
             self._engine.optimizer = torch.optim.AdamW(self._engine.trainable, lr=0.0)
         return LoadWeightsResponse(path=path)
@@ -267,15 +305,21 @@ class TrainingClient:
         return self._service._sampling_client(self._host, name, owns_adapter=True)
 
 
-def _engine_datums(data: list[Datum], loss_fn: str, need_weights: bool = True) -> list[EngineDatum]:
-    if not data:
-        raise GymError("no datums: pass at least one Datum")
-    if loss_fn not in LOSS_FNS:
-        raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
-    for index, datum in enumerate(data):
-        if not isinstance(datum, Datum):
-            raise GymError(f"datum {index} is a {type(datum).__name__}; build it with types.Datum(...)")
-    datums = [d.to_engine(i) for i, d in enumerate(data)]
-    if need_weights:
-        check_loss_inputs(datums, loss_fn)
-    return datums
+def _targets(datum: EngineDatum) -> list[int]:
+    targets = datum.loss_fn_inputs.get("target_tokens")
+    return [] if targets is None else torch.as_tensor(targets).tolist()
+
+
+def _empty_output(loss_fn: str) -> ForwardBackwardOutput:
+    return ForwardBackwardOutput(loss_fn, [], {"loss:sum": 0.0})
+
+
+def _adapter_shape(config: Any) -> dict:
+    """What a saved adapter must share with a client's to load into it."""
+    return {
+        "rank": int(config.r),
+        "lora_alpha": float(config.lora_alpha),
+        "target_modules": sorted(config.target_modules or []),
+        "use_rslora": bool(getattr(config, "use_rslora", False)),
+        "use_dora": bool(getattr(config, "use_dora", False)),
+    }
