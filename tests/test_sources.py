@@ -97,6 +97,57 @@ def test_split_names_match_regardless_of_case(tmp_path):
     assert ids(read_rows(str(tmp_path), "train")) == ["t0"]
 
 
+@pytest.mark.parametrize(
+    ("names", "chosen"),
+    [
+        # split words inside other words name no split: constraints ⊃ train, latest/contest ⊃ test, …
+        (["constraints.jsonl", "data.jsonl"], ["constraints.jsonl", "data.jsonl"]),
+        (["contest_a.jsonl", "developer_notes.jsonl", "latest.jsonl"], "all"),
+        (["device1/rows.jsonl", "trainer_logs.jsonl"], "all"),
+        # whole words, in file or folder names, next to separators or digits, any case
+        (["constraints.jsonl", "test.jsonl", "train.jsonl"], ["train.jsonl"]),
+        (
+            ["data/test-00000-of-00001.parquet", "data/train-00000-of-00002.parquet"],
+            ["data/train-00000-of-00002.parquet"],
+        ),
+        (["test0.jsonl", "train0.jsonl"], ["train0.jsonl"]),
+        (["My_Test_Set.jsonl", "My_Train_Set.jsonl"], ["My_Train_Set.jsonl"]),
+        (["test/part.jsonl", "train/part.jsonl", "valid/part.jsonl"], ["train/part.jsonl"]),
+        (["a.jsonl", "dev.jsonl", "sub/test.jsonl"], ["a.jsonl"]),
+    ],
+)
+def test_split_names_match_whole_words_only(names, chosen):
+    chosen = names if chosen == "all" else chosen
+    picked, skipped = sources.split_selection(names, "train", "here")
+    assert picked == chosen
+    assert skipped == [n for n in names if n not in chosen]
+
+
+def test_split_names_of_several_words_match_in_a_row():
+    names = [
+        "data/test_sft-00000-of-00001.parquet",
+        "data/train_sft-00000-of-00001.parquet",
+        "sft_train.jsonl",
+    ]
+    assert sources.split_selection(names, "train_sft", "here") == ([names[1]], [names[0], names[2]])
+    assert sources.split_selection(names, "TEST_SFT", "here")[0] == [names[0]]
+    assert sources.split_selection(names, "train", "here")[0] == names[1:]
+
+
+def test_directory_reports_chosen_and_skipped_files(tmp_path, capsys):
+    write_jsonl(tmp_path / "A.JSONL", numbered(1, "a"))
+    write_jsonl(tmp_path / "constraints.jsonl", numbered(1, "c"))
+    write_jsonl(tmp_path / "test.jsonl", numbered(1, "t"))
+    assert ids(read_rows(str(tmp_path))) == ["a0", "c0"]  # before: constraints.jsonl alone, A.JSONL dropped
+    out = capsys.readouterr().out
+    assert f"{tmp_path}: split `train` reads 2 file(s): A.JSONL, constraints.jsonl" in out
+    assert "skipped 1 named for another split: test.jsonl" in out
+    write_jsonl(tmp_path / "train.jsonl", numbered(1, "r"))
+    assert ids(read_rows(str(tmp_path))) == ["r0"]
+    out = capsys.readouterr().out
+    assert "reads 1 file(s): train.jsonl; skipped 3 not named for split `train`: A.JSONL, " in out
+
+
 def test_directory_without_files_for_split(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", numbered(2, "t"))
     with pytest.raises(DataError) as raised:

@@ -201,6 +201,28 @@ def test_dataset_dir_with_split_files_trains_on_the_train_split(tmp_path):
     assert chosen == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
 
 
+def test_dataset_dir_split_words_are_whole_words_and_the_choice_is_printed(
+    dirs, tmp_path, capsys, monkeypatch
+):
+    data = tmp_path / "mixed"
+    (data / "sub").mkdir(parents=True)
+    for name in ("A.JSONL", "constraints.jsonl", "latest.jsonl", "sub/test.jsonl"):
+        (data / name).write_text(json.dumps(CHAT_ROW) + "\n")
+    # no file names the train split (constraints/latest only contain split words): all but the test split
+    names = [p.relative_to(data).as_posix() for p in dataset_files(str(data))]
+    assert names == ["A.JSONL", "constraints.jsonl", "latest.jsonl"]
+    (data / "train.jsonl").write_text(json.dumps(CHAT_ROW) + "\n")
+    env = _env(dirs, DATASET_DIR=str(data))
+    assert [Path(d.path).name for d in trainjob_from_env(env).config.datasets] == ["train.jsonl"]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["trainjob", "--dry-run"]) == 0
+    assert (
+        f"# DATASET_DIR={data}: split `train` reads 1 file(s): train.jsonl; skipped 4 not named for split "
+        "`train`: A.JSONL, constraints.jsonl, latest.jsonl, sub/test.jsonl\n"
+    ) in capsys.readouterr().out
+
+
 def test_dataset_dir_missing_or_empty(dirs, tmp_path):
     empty = tmp_path / "empty"
     (empty / ".cache").mkdir(parents=True)
@@ -217,11 +239,11 @@ def test_dataset_dir_missing_or_empty(dirs, tmp_path):
 @pytest.mark.parametrize(
     ("values", "expected"),
     [
-        ({"METHOD": "qlora"}, "METHOD=qlora: 4-bit QLoRA is not supported"),
-        ({"METHOD": "QLoRA"}, "send METHOD=lora with QUANT_4BIT=false"),
+        ({"METHOD": "qlora"}, "METHOD=qlora: 4-bit QLoRA is not supported by this runtime yet"),
+        ({"METHOD": "QLoRA"}, "use METHOD=lora (with QUANT_4BIT=false) or the hanzo-ft-qlora runtime"),
         ({"METHOD": "full"}, "METHOD=full: full fine-tuning is not supported"),
         ({"METHOD": "dpo"}, "METHOD=dpo: unknown method; send METHOD=lora"),
-        ({"QUANT_4BIT": "true"}, "QUANT_4BIT=true: 4-bit quantization (QLoRA) is not supported"),
+        ({"QUANT_4BIT": "true"}, "QUANT_4BIT=true: 4-bit QLoRA is not supported by this runtime yet"),
         ({"QUANT_4BIT": "maybe"}, "QUANT_4BIT=maybe: not a boolean; send true or false"),
         ({"GRADIENT_CHECKPOINTING": "sometimes"}, "GRADIENT_CHECKPOINTING=sometimes: not a boolean"),
         ({"MERGE": "perhaps"}, "MERGE=perhaps: not a boolean"),
@@ -230,6 +252,30 @@ def test_dataset_dir_missing_or_empty(dirs, tmp_path):
         ({"EPOCHS": "1.5"}, "EPOCHS=1.5: hanzo-gym trains a whole number of epochs; send 1 or 2"),
         ({"EPOCHS": "0"}, "EPOCHS=0: must be at least 1"),
         ({"EPOCHS": "three"}, "EPOCHS=three: not a number"),
+        ({"EPOCHS": "1e20"}, "EPOCHS=1e20: too large; send at most 10000"),
+        ({"EPOCHS": "1e400"}, "EPOCHS=1e400: too large; send at most 10000"),
+        ({"EPOCHS": "10001"}, "EPOCHS=10001: too large"),
+        (
+            {"BATCH_SIZE": "99999999999999999999999"},
+            "BATCH_SIZE=99999999999999999999999: too large; send at most 65536",
+        ),
+        ({"BATCH_SIZE": "65537"}, "BATCH_SIZE=65537: too large"),
+        ({"GRAD_ACCUM": "1000000"}, "GRAD_ACCUM=1000000: too large; send at most 65536"),
+        ({"LORA_RANK": "16385"}, "LORA_RANK=16385: too large; send at most 16384"),
+        ({"MAX_SEQ_LEN": "1048577"}, "MAX_SEQ_LEN=1048577: too large; send at most 1048576"),
+        (
+            {"MAX_SEQ_LEN": "9" * 5000},
+            "MAX_SEQ_LEN=9999999999999999999999999999999999999999… (5000 characters): too large",
+        ),
+        (
+            {"OUTPUT_DIR": "file://tmp/x"},
+            "OUTPUT_DIR=file://tmp/x: names the host `tmp`, and only this machine's",
+        ),
+        (
+            {"OUTPUT_DIR": "file://nfs.example/out"},
+            "send file:///nfs.example/out if that was meant as a local path",
+        ),
+        ({"OUTPUT_DIR": "file:///tmp/x?y=1"}, "OUTPUT_DIR=file:///tmp/x?y=1: not a local file URL"),
         (
             {"OUTPUT_DIR": "s3://bucket/finetunes/x/"},
             "OUTPUT_DIR=s3://bucket/finetunes/x/: only a local path",
@@ -256,10 +302,14 @@ def test_qlora_message_says_whether_cuda_is_missing(dirs, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert "(it would also need a CUDA GPU; this machine has none)" in _error(_env(dirs, METHOD="qlora"))
     assert "this machine has none" in _error(_env(dirs, QUANT_4BIT="true"))
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    message = _error(_env(dirs, METHOD="qlora"))
-    assert (
-        message.startswith("METHOD=qlora: 4-bit QLoRA is not supported") and "machine has none" not in message
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # refused on CUDA too, saying so plainly
+    assert _error(_env(dirs, METHOD="qlora")) == (
+        "METHOD=qlora: 4-bit QLoRA is not supported by this runtime yet; use METHOD=lora (with "
+        "QUANT_4BIT=false) or the hanzo-ft-qlora runtime"
+    )
+    assert _error(_env(dirs, QUANT_4BIT="true")) == (
+        "QUANT_4BIT=true: 4-bit QLoRA is not supported by this runtime yet; use QUANT_4BIT=false with "
+        "METHOD=lora (a LoRA adapter on the unquantized model) or the hanzo-ft-qlora runtime"
     )
 
 
@@ -269,9 +319,19 @@ def test_all_problems_are_reported_together(dirs):
     assert [line.split("=", 1)[0] for line in lines] == ["METHOD", "TASK", "EPOCHS", "LORA_RANK"]
 
 
-def test_file_url_output_dir_is_a_local_path(dirs, tmp_path):
-    job = trainjob_from_env(_env(dirs, OUTPUT_DIR=f"file://{tmp_path}/out"))
-    assert job.output_dir == tmp_path / "out"
+@pytest.mark.parametrize("prefix", ["file://", "file://localhost", "FILE://LocalHost"])
+def test_file_url_output_dir_is_a_local_path(dirs, tmp_path, prefix):
+    job = trainjob_from_env(_env(dirs, OUTPUT_DIR=f"{prefix}{tmp_path}/my%20out"))
+    assert job.output_dir == tmp_path / "my out"  # not the relative path localhost/…
+
+
+@pytest.mark.parametrize(
+    ("name", "largest"), [("EPOCHS", "10000"), ("BATCH_SIZE", "65536"), ("LORA_RANK", "+0016384")]
+)
+def test_whole_numbers_up_to_their_bound_are_accepted(dirs, name, largest):
+    job = trainjob_from_env(_env(dirs, **{name: largest}))
+    key = {"EPOCHS": "num_epochs", "BATCH_SIZE": "micro_batch_size", "LORA_RANK": "lora_r"}[name]
+    assert getattr(job.config, key) == int(largest)
 
 
 def test_output_dir_may_not_be_the_model(dirs):

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from hanzo_gym.config import Config
+from hanzo_gym.distributed import gather_objects, is_main
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.lora import load_adapter_weights, save_adapter
@@ -83,7 +84,27 @@ def starting_position(engine: Engine, run: RunDir, plan: dict, resume_from: Path
     run's records after that step forgotten."""
     if resume_from is None:
         return TrainerPosition(step=0, epoch=0, window=0, plan=plan)
+    _check_every_rank_sees(resume_from)
     position = read_checkpoint(resume_from, engine, plan)
     run.forget_after(position.step)
-    print(f"resumed from {resume_from} at step {position.step}", flush=True)
+    if is_main():
+        print(f"resumed from {resume_from} at step {position.step}", flush=True)
     return position
+
+
+def _check_every_rank_sees(directory: Path) -> None:
+    """Under torchrun rank 0 picks the checkpoint and every rank reads it: fail on all ranks at once (rather
+    than leave the others waiting for a rank that died) when some cannot see it, as on a node-local disk."""
+    seen = gather_objects((directory / TRAINER_STATE).is_file())
+    blind = [str(rank) for rank, ok in enumerate(seen) if not ok]
+    if not blind:
+        return
+    if not seen[0]:
+        raise GymError(
+            f"{directory} is not a complete checkpoint (no {TRAINER_STATE}); pick another or start fresh"
+        )
+    raise GymError(
+        f"cannot resume from {directory}: rank(s) {', '.join(blind)} cannot see it (no {TRAINER_STATE}). "
+        "Rank 0 picks the checkpoint and every process reads it, so with several nodes output_dir must "
+        "be on storage that every node mounts at the same path"
+    )

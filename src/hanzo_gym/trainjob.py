@@ -24,6 +24,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import yaml
 from pydantic import ValidationError
@@ -53,6 +54,15 @@ NUMERIC: dict[str, tuple[str, type, int | float]] = {
     "WEIGHT_DECAY": ("weight_decay", float, 0.01),
 }
 DEFAULT_EPOCHS = 3
+# The largest value each whole-number variable takes: far beyond any real job, small enough that a typo
+# (or an overflowing number) is refused here instead of failing hours later, or never.
+MAXIMUM: dict[str, int] = {
+    "EPOCHS": 10_000,
+    "MAX_SEQ_LEN": 1 << 20,  # 1M tokens: longer than any model's context
+    "LORA_RANK": 1 << 14,  # 16384: the hidden size of the largest open models (a full-rank update)
+    "BATCH_SIZE": 1 << 16,
+    "GRAD_ACCUM": 1 << 16,
+}
 # Every variable gym trainjob reads (HF_TOKEN is read by huggingface_hub itself and never printed).
 VARIABLES = (
     "METHOD",
@@ -100,6 +110,7 @@ class TrainJob:
     output_dir: Path  # OUTPUT_DIR: merged model at the top, adapter/ and run/ inside
     merge: bool
     base_model_name: str | None  # BASE_MODEL, written into adapter_config.json when MODEL_DIR was trained
+    data_files: str = ""  # which DATASET_DIR files are trained on and which are skipped, in words
 
     @property
     def adapter_dir(self) -> Path:
@@ -140,10 +151,26 @@ def _parse_bool(name: str, raw: str | None, default: bool, problems: _Problems) 
     return default
 
 
+def _shown(raw: str, limit: int = 40) -> str:
+    """A value as a message quotes it: a 5000-digit number is cut short."""
+    return raw if len(raw) <= limit else f"{raw[:limit]}… ({len(raw)} characters)"
+
+
+def _too_large(name: str, raw: str, problems: _Problems) -> None:
+    problems.add(f"{name}={_shown(raw)}: too large; send at most {MAXIMUM[name]}")
+
+
 def _parse_number(name: str, raw: str, kind: type, problems: _Problems) -> int | float | None:
     if kind is int:
         if not _WHOLE.fullmatch(raw):
-            problems.add(f"{name}={raw}: not a whole number; send an integer such as {NUMERIC[name][2]}")
+            problems.add(
+                f"{name}={_shown(raw)}: not a whole number; send an integer such as {NUMERIC[name][2]}"
+            )
+            return None
+        digits = raw.lstrip("+").lstrip("0")
+        # Compared as text first: int() refuses numbers of more than 4300 digits.
+        if len(digits) > len(str(MAXIMUM[name])) or int(digits or "0") > MAXIMUM[name]:
+            _too_large(name, raw, problems)
             return None
         return int(raw)
     try:
@@ -151,7 +178,7 @@ def _parse_number(name: str, raw: str, kind: type, problems: _Problems) -> int |
     except ValueError:
         value = math.nan
     if not math.isfinite(value):
-        problems.add(f"{name}={raw}: not a finite number; send a decimal such as {NUMERIC[name][2]}")
+        problems.add(f"{name}={_shown(raw)}: not a finite number; send a decimal such as {NUMERIC[name][2]}")
         return None
     return value
 
@@ -162,8 +189,8 @@ def _method(env: dict[str, str], problems: _Problems) -> None:
     method = raw.lower()
     if method == "qlora":
         problems.add(
-            f"METHOD={raw}: 4-bit QLoRA is not supported by hanzo-gym yet{_cuda_note()}; send METHOD=lora "
-            "with QUANT_4BIT=false, or run the job on the hanzo-ft-qlora runtime"
+            f"METHOD={raw}: 4-bit QLoRA is not supported by this runtime yet{_cuda_note()}; use METHOD=lora "
+            "(with QUANT_4BIT=false) or the hanzo-ft-qlora runtime"
         )
     elif method == "full":
         problems.add(
@@ -174,8 +201,9 @@ def _method(env: dict[str, str], problems: _Problems) -> None:
         problems.add(f"METHOD={raw}: unknown method; send METHOD=lora (qlora and full are other runtimes)")
     if _parse_bool("QUANT_4BIT", env.get("QUANT_4BIT"), False, problems):
         problems.add(
-            f"QUANT_4BIT={env['QUANT_4BIT']}: 4-bit quantization (QLoRA) is not supported by hanzo-gym "
-            f"yet{_cuda_note()}; send QUANT_4BIT=false to train a LoRA adapter on the unquantized model"
+            f"QUANT_4BIT={env['QUANT_4BIT']}: 4-bit QLoRA is not supported by this runtime yet{_cuda_note()}; "
+            "use QUANT_4BIT=false with METHOD=lora (a LoRA adapter on the unquantized model) or the "
+            "hanzo-ft-qlora runtime"
         )
 
 
@@ -197,9 +225,14 @@ def _base_model(env: dict[str, str], problems: _Problems) -> tuple[str | None, s
 
 def dataset_files(dataset_dir: str) -> list[Path]:
     """Every .jsonl/.json/.parquet file under `dataset_dir`, recursively, sorted by path, skipping hidden
-    files and folders (the hub's .cache). When file names name splits (train-…, test-…), only the train
-    split's files: a downloaded dataset repo must not train on its test rows."""
-    from hanzo_gym.data.sources import _files_for_split
+    files and folders (the hub's .cache). When file or folder names name splits (train-…, test/…), only the
+    train split's files: a downloaded dataset repo must not train on its test rows."""
+    return dataset_selection(dataset_dir)[0]
+
+
+def dataset_selection(dataset_dir: str) -> tuple[list[Path], str]:
+    """`dataset_files`, and a line that says which files were chosen and which skipped."""
+    from hanzo_gym.data.sources import describe_selection, split_selection
 
     root = Path(dataset_dir)
     if not root.is_dir():
@@ -217,18 +250,19 @@ def dataset_files(dataset_dir: str) -> list[Path]:
         raise ConfigError(
             f"DATASET_DIR={dataset_dir}: no .jsonl, .json or .parquet files (hidden ones skipped)"
         )
+    where = f"DATASET_DIR={dataset_dir}"
     try:
-        chosen = _files_for_split(sorted(found), "train", f"DATASET_DIR={dataset_dir}")
+        chosen, skipped = split_selection(sorted(found), "train", where)
     except DataError as exc:  # say it as a problem with the variable
         raise ConfigError(str(exc)) from None
-    return [root / name for name in chosen]
+    return [root / name for name in chosen], describe_selection(where, "train", chosen, skipped)
 
 
 def _output_dir(env: dict[str, str], problems: _Problems) -> Path:
     raw = env.get("OUTPUT_DIR", DEFAULT_OUTPUT_DIR)
     scheme = _SCHEME.match(raw)
     if scheme and scheme.group(1).lower() == "file":
-        return Path(raw[len("file://") :])
+        return _file_url_path(raw, problems)
     if scheme:
         problems.add(
             f"OUTPUT_DIR={raw}: only a local path is supported ({scheme.group(1)}:// uploads are not); leave "
@@ -236,6 +270,22 @@ def _output_dir(env: dict[str, str], problems: _Problems) -> Path:
         )
         return Path(DEFAULT_OUTPUT_DIR)
     return Path(raw)
+
+
+def _file_url_path(raw: str, problems: _Problems) -> Path:
+    """The local path of a file:// URL (RFC 8089): file:///abs/path or file://localhost/abs/path."""
+    url = urlsplit(raw)
+    if url.netloc.lower() not in ("", "localhost"):
+        problems.add(
+            f"OUTPUT_DIR={raw}: names the host `{url.netloc}`, and only this machine's files can be written "
+            f"(file:///path or file://localhost/path); mount that storage and give its path, or send "
+            f"file:///{url.netloc}{url.path} if that was meant as a local path"
+        )
+    elif url.query or url.fragment or not url.path.startswith("/"):
+        problems.add(f"OUTPUT_DIR={raw}: not a local file URL; send file:///absolute/path or a plain path")
+    else:
+        return Path(unquote(url.path))
+    return Path(DEFAULT_OUTPUT_DIR)
 
 
 def _epochs(env: dict[str, str], problems: _Problems) -> int:
@@ -246,8 +296,10 @@ def _epochs(env: dict[str, str], problems: _Problems) -> int:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value):
-        problems.add(f"EPOCHS={raw}: not a number; send a whole number of epochs such as 3")
+    if value > MAXIMUM["EPOCHS"]:  # inf too (1e400); nan compares false
+        _too_large("EPOCHS", raw, problems)
+    elif not math.isfinite(value):
+        problems.add(f"EPOCHS={_shown(raw)}: not a number; send a whole number of epochs such as 3")
     elif value < 1:
         problems.add(f"EPOCHS={raw}: must be at least 1")
     elif value != int(value):
@@ -275,10 +327,10 @@ def trainjob_from_env(environ: Mapping[str, str]) -> TrainJob:
     base_model, base_model_name = _base_model(env, problems)
     dataset_dir = env.get("DATASET_DIR", DEFAULT_DATASET_DIR)
     try:
-        files = dataset_files(dataset_dir)
+        files, data_files = dataset_selection(dataset_dir)
     except ConfigError as exc:
         problems.add(str(exc))
-        files = []
+        files, data_files = [], ""
     epochs = _epochs(env, problems)
     output_dir = _output_dir(env, problems)
     numbers: dict[str, int | float] = {}
@@ -307,7 +359,13 @@ def trainjob_from_env(environ: Mapping[str, str]) -> TrainJob:
         config = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError("\n".join(_describe(error, env) for error in exc.errors())) from None
-    return TrainJob(config=config, output_dir=output_dir, merge=merge, base_model_name=base_model_name)
+    return TrainJob(
+        config=config,
+        output_dir=output_dir,
+        merge=merge,
+        base_model_name=base_model_name,
+        data_files=data_files,
+    )
 
 
 _KEY_TO_VARIABLE = {key: name for name, (key, _, _) in NUMERIC.items()} | {"num_epochs": "EPOCHS"}
@@ -331,6 +389,8 @@ def resolved_yaml(job: TrainJob) -> str:
         f"#   adapter:      {job.adapter_dir}",
         f"#   run files:    {job.config.output_dir}",
     ]
+    if job.data_files:
+        header.append(f"# {job.data_files}")
     body = yaml.safe_dump(job.config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
     return "\n".join(header) + "\n" + body
 

@@ -48,6 +48,8 @@ HUB_UNAVAILABLE = (OfflineModeIsEnabled, httpx2.HTTPError, LocalEntryNotFoundErr
 _SPLIT_RE = re.compile(r"(?P<name>[^\[\]:\s]+)(?:\[(?P<lo>[^\[\]:]*):(?P<hi>[^\[\]:]*)\])?")
 _INDEX_RE = re.compile(r"[0-9]+")
 _PERCENT_RE = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)%")
+# The words of a file or folder name: runs of letters, runs of digits (split on `-_. ` and the like).
+_TOKEN_RE = re.compile(r"[^\W\d_]+|\d+")
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,8 @@ def _directory_files(
         found = sorted(
             entry.name for entry in directory.iterdir() if entry.is_file() and _is_data_file(entry.name)
         )
-        names = _files_for_split(found, split_name, str(directory))
+        names, skipped = split_selection(found, split_name, str(directory))
+        _report_selection(str(directory), split_name, names, skipped)
     return [(str(directory / name), directory / name) for name in names]
 
 
@@ -158,23 +161,57 @@ def _is_data_file(name: str) -> bool:
     return name.lower().endswith(DATA_EXTENSIONS)
 
 
-def _files_for_split(names: list[str], split_name: str, where: str) -> list[str]:
-    """Files whose path mentions the split; failing that, files that mention no split at all."""
+def names_split(path: str, split_name: str) -> bool:
+    """Whether a folder or file name on `path` holds the words of `split_name` as whole words, in a row. Names
+    are cut into lower-case words at anything but letters and digits and where letters meet digits, so
+    `train-00000-of-00002.parquet`, `Train.jsonl`, `train0.jsonl` and `data/train/x.jsonl` name `train`,
+    `train_sft-0.parquet` names `train_sft` (and `train`), and `constraints.jsonl` names no split."""
+    wanted = _words(split_name)
+    for part in path.split("/"):
+        words = _words(part)
+        if wanted and any(words[i : i + len(wanted)] == wanted for i in range(len(words) - len(wanted) + 1)):
+            return True
+    return False
 
-    def mentions(name: str, word: str) -> bool:
-        # Case-insensitive: otherwise Train.jsonl and Test.jsonl would both count as "no split named" and
-        # the test rows would be trained on.
-        return any(word.lower() in part.lower() for part in name.split("/"))
 
-    chosen = [name for name in names if mentions(name, split_name)]
+def _words(text: str) -> list[str]:
+    return _TOKEN_RE.findall(text.lower())
+
+
+def split_selection(names: list[str], split_name: str, where: str) -> tuple[list[str], list[str]]:
+    """(chosen, skipped) of `names` for `split_name`: the files that name the split (Hugging Face's
+    `{split}[-._0-9]` rule, see `names_split`); when none does, the files that name no split at all."""
+    chosen = [name for name in names if names_split(name, split_name)]
     if not chosen:
-        chosen = [name for name in names if not any(mentions(name, word) for word in SPLIT_WORDS)]
+        chosen = [name for name in names if not any(names_split(name, word) for word in SPLIT_WORDS)]
     if not chosen:
         raise DataError(
             f"no data files for split `{split_name}` in {where}: files seen: {_name_list(names)}. "
             f"Use a split name that appears in a file name, or list the files in data_files"
         )
-    return chosen
+    kept = set(chosen)
+    return chosen, [name for name in names if name not in kept]
+
+
+def describe_selection(where: str, split_name: str, chosen: list[str], skipped: list[str]) -> str:
+    """One line that says which files a split reads and which it skips (and why)."""
+    line = f"{where}: split `{split_name}` reads {len(chosen)} file(s): {_name_list(chosen)}"
+    if not skipped:
+        return line
+    named = any(names_split(name, split_name) for name in chosen)
+    reason = f"not named for split `{split_name}`" if named else "named for another split"
+    return f"{line}; skipped {len(skipped)} {reason}: {_name_list(skipped)}"
+
+
+def _report_selection(where: str, split_name: str, chosen: list[str], skipped: list[str]) -> None:
+    """Print the file selection of a folder or hub dataset (rank 0 alone under torchrun)."""
+    from hanzo_gym.distributed import is_main
+
+    if is_main():
+        message = describe_selection(where, split_name, chosen, skipped)
+        if skipped:
+            message += " (list the files in data_files to choose them yourself)"
+        print(message, flush=True)
 
 
 def _name_list(names: list[str], limit: int = 20) -> str:
@@ -209,7 +246,11 @@ def _hub_selection(
     listing: list[str], split_name: str, data_files: list[str] | None, where: str
 ) -> list[str]:
     if not data_files:
-        return _files_for_split(sorted(name for name in listing if _is_data_file(name)), split_name, where)
+        names, skipped = split_selection(
+            sorted(name for name in listing if _is_data_file(name)), split_name, where
+        )
+        _report_selection(where, split_name, names, skipped)
+        return names
     for name in data_files:
         if name not in listing:
             raise DataError(
