@@ -100,23 +100,41 @@ def word_tokenizer():
     return tokenizer
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, word_tokenizer) -> str:
-    """A tiny random llama saved with the word tokenizer: a model folder that loads like a real one, in no time."""
+def save_tiny_word_model(directory: Path, word_tokenizer, **overrides) -> Path:
+    """A tiny random llama with the word tokenizer, saved as a model folder. A wide initialisation: with
+    transformers' default (0.02) a tiny model's logits barely move however an adapter changes."""
     from tiny_models import tiny_model
 
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_model(
-        "llama",
-        vocab_size=len(word_tokenizer),
-        eos_token_id=word_tokenizer.eos_token_id,
-        pad_token_id=word_tokenizer.pad_token_id,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )
+    settings = {"eos_token_id": word_tokenizer.eos_token_id, "bos_token_id": None, "initializer_range": 0.2}
+    model = tiny_model("llama", vocab_size=len(word_tokenizer), **{**settings, **overrides})
     model.save_pretrained(directory)
     word_tokenizer.save_pretrained(directory)
-    return str(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, word_tokenizer) -> str:
+    """A model folder that loads like a real one, in no time (the pad token is the tokenizer's)."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    return str(save_tiny_word_model(directory, word_tokenizer, pad_token_id=word_tokenizer.pad_token_id))
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory, qwen3_tokenizer) -> Path:
+    """A tiny random Qwen3 that uses the real Qwen3 tokenizer."""
+    from tiny_models import tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    model = tiny_model(
+        "qwen3",
+        vocab_size=len(qwen3_tokenizer),
+        eos_token_id=qwen3_tokenizer.eos_token_id,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
+    model.save_pretrained(directory)
+    qwen3_tokenizer.save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(scope="session")

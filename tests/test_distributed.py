@@ -23,9 +23,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from conftest import save_tiny_word_model
 from peft import PeftModel
 from safetensors.torch import load_file
-from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 from hanzo_gym import checkpoint, distributed
@@ -100,17 +100,7 @@ if _out and _watch and os.environ.get("RANK") is not None:
 
 @pytest.fixture(scope="module")
 def word_base(tmp_path_factory, word_tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-word-llama")
-    model = tiny_model(
-        "llama",
-        vocab_size=len(word_tokenizer),
-        eos_token_id=word_tokenizer.eos_token_id,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )
-    model.save_pretrained(directory)
-    word_tokenizer.save_pretrained(directory)
-    return directory
+    return save_tiny_word_model(tmp_path_factory.mktemp("tiny-word-llama"), word_tokenizer)
 
 
 @pytest.fixture(scope="module")

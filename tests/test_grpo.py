@@ -5,26 +5,14 @@ import json
 
 import pytest
 import yaml
-from tiny_models import tiny_model
+from conftest import save_tiny_word_model
 
 from hanzo_gym.cli import main
 
 
 @pytest.fixture(scope="module")
 def tiny_word_base(tmp_path_factory, word_tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-word-llama")
-    # A wide initialisation: with transformers' default (0.02) a tiny model's logits barely move however the
-    # adapter changes, so no reward could rise.
-    model = tiny_model(
-        "llama",
-        vocab_size=len(word_tokenizer),
-        eos_token_id=word_tokenizer.eos_token_id,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )
-    model.save_pretrained(directory)
-    word_tokenizer.save_pretrained(directory)
-    return directory
+    return save_tiny_word_model(tmp_path_factory.mktemp("tiny-word-llama"), word_tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -6,28 +6,11 @@ import pytest
 import torch
 import yaml
 from peft import PeftModel
-from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 from hanzo_gym import checkpoint as checkpoint_module
 from hanzo_gym.cli import main
 from hanzo_gym.engine import Datum, Engine
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory, qwen3_tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-qwen3")
-    tokenizer = qwen3_tokenizer
-    model = tiny_model(
-        "qwen3",
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=None,
-        bos_token_id=None,
-    )
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import torch
 import yaml
 from peft import PeftModel
 from safetensors import safe_open
-from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hanzo_gym.cli import main
@@ -115,21 +114,6 @@ def test_dockerfile_runs_gym_trainjob_from_a_cuda_base():
     assert re.search(r"pip install [^\n]*\s\.\s", text)  # installs this package
     ignored = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
     assert "*" in ignored and "!src/" in ignored and "!pyproject.toml" in ignored
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory, qwen3_tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-qwen3")
-    model = tiny_model(
-        "qwen3",
-        vocab_size=len(qwen3_tokenizer),
-        eos_token_id=qwen3_tokenizer.eos_token_id,
-        pad_token_id=None,
-        bos_token_id=None,
-    )
-    model.save_pretrained(directory)
-    qwen3_tokenizer.save_pretrained(directory)
-    return directory
 
 
 def _workspace(tmp_path, tiny_base) -> Path:

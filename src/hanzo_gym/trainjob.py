@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from hanzo_gym.config import Config
 from hanzo_gym.errors import ConfigError, DataError
+from hanzo_gym.model.hub import MODEL_PATTERNS
 
 DEFAULT_MODEL_DIR = "/workspace/model"
 DEFAULT_DATASET_DIR = "/workspace/dataset"
@@ -81,21 +82,7 @@ VARIABLES = (
 
 # Files `save_pretrained` writes for a model and its tokenizer: what a previous run's merged model left at
 # OUTPUT_DIR's top level, removed before a new run so that no stale shard or index outlives it.
-_MODEL_FILE_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+_MODEL_FILE_PATTERNS = (*MODEL_PATTERNS, "*.safetensors.index.json")
 _STAGING_PREFIX = ".gym-staging-"
 
 _TRUE = {"true", "1", "yes", "on"}
