@@ -134,7 +134,6 @@ def test_duplicate_key_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ("load_in_4bit: true\n", "QLoRA / 4-bit loading is not supported yet"),
         ("load_in_8bit: true\n", "8-bit loading is not supported yet"),
         ("rl: dpo\n", "DPO family) is not supported yet"),
     ],
@@ -143,10 +142,12 @@ def test_features_we_do_not_have_fail_at_load_with_a_sentence(tmp_path, extra, e
     assert expected in _error(tmp_path, BASE + extra)
 
 
-def test_qlora_and_full_finetune_fail_at_load(tmp_path):
-    assert "QLoRA (adapter: qlora) is not supported yet" in _error(
-        tmp_path, BASE.replace("adapter: lora", "adapter: qlora")
-    )
+def test_qlora_needs_both_keys_and_full_finetune_fails_at_load(tmp_path):
+    cfg = _load(tmp_path, BASE.replace("adapter: lora", "adapter: qlora") + "load_in_4bit: true\n")
+    assert (cfg.adapter, cfg.load_in_4bit) == ("qlora", True)
+    together = "adapter: qlora and load_in_4bit: true go together"
+    assert together in _error(tmp_path, BASE.replace("adapter: lora", "adapter: qlora"))
+    assert together in _error(tmp_path, BASE + "load_in_4bit: true\n")
     assert "full fine-tuning" in _error(tmp_path, BASE.replace("adapter: lora\n", ""))
 
 

@@ -239,11 +239,9 @@ def test_dataset_dir_missing_or_empty(dirs, tmp_path):
 @pytest.mark.parametrize(
     ("values", "expected"),
     [
-        ({"METHOD": "qlora"}, "METHOD=qlora: 4-bit QLoRA is not supported by this runtime yet"),
-        ({"METHOD": "QLoRA"}, "use METHOD=lora (with QUANT_4BIT=false) or the hanzo-ft-qlora runtime"),
+        ({"METHOD": "qlora", "QUANT_4BIT": "false"}, "QLoRA is a 4-bit base; send QUANT_4BIT=true"),
         ({"METHOD": "full"}, "METHOD=full: full fine-tuning is not supported"),
-        ({"METHOD": "dpo"}, "METHOD=dpo: unknown method; send METHOD=lora"),
-        ({"QUANT_4BIT": "true"}, "QUANT_4BIT=true: 4-bit QLoRA is not supported by this runtime yet"),
+        ({"METHOD": "dpo"}, "METHOD=dpo: unknown method; send METHOD=lora or METHOD=qlora"),
         ({"QUANT_4BIT": "maybe"}, "QUANT_4BIT=maybe: not a boolean; send true or false"),
         ({"GRADIENT_CHECKPOINTING": "sometimes"}, "GRADIENT_CHECKPOINTING=sometimes: not a boolean"),
         ({"MERGE": "perhaps"}, "MERGE=perhaps: not a boolean"),
@@ -298,19 +296,19 @@ def test_rejections_name_the_variable_and_what_to_send(dirs, values, expected):
     assert expected in _error(_env(dirs, **values))
 
 
-def test_qlora_message_says_whether_cuda_is_missing(dirs, monkeypatch):
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    assert "(it would also need a CUDA GPU; this machine has none)" in _error(_env(dirs, METHOD="qlora"))
-    assert "this machine has none" in _error(_env(dirs, QUANT_4BIT="true"))
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # refused on CUDA too, saying so plainly
-    assert _error(_env(dirs, METHOD="qlora")) == (
-        "METHOD=qlora: 4-bit QLoRA is not supported by this runtime yet; use METHOD=lora (with "
-        "QUANT_4BIT=false) or the hanzo-ft-qlora runtime"
-    )
-    assert _error(_env(dirs, QUANT_4BIT="true")) == (
-        "QUANT_4BIT=true: 4-bit QLoRA is not supported by this runtime yet; use QUANT_4BIT=false with "
-        "METHOD=lora (a LoRA adapter on the unquantized model) or the hanzo-ft-qlora runtime"
-    )
+@pytest.mark.parametrize(
+    ("values", "qlora"),
+    [
+        ({"METHOD": "qlora"}, True),
+        ({"METHOD": "QLoRA", "QUANT_4BIT": "true"}, True),
+        ({"METHOD": "lora", "QUANT_4BIT": "TRUE"}, True),
+        ({"METHOD": "lora", "QUANT_4BIT": "false"}, False),
+        ({}, False),
+    ],
+)
+def test_qlora_is_a_lora_adapter_on_a_4bit_base(dirs, values, qlora):
+    config = trainjob_from_env(_env(dirs, **values)).config
+    assert (config.adapter, config.load_in_4bit) == (("qlora", True) if qlora else ("lora", False))
 
 
 def test_all_problems_are_reported_together(dirs):
@@ -353,8 +351,8 @@ def test_dry_run_prints_yaml_that_gym_train_accepts(dirs, capsys, monkeypatch):
 
 
 def test_cli_reports_env_errors_without_traceback(dirs, capsys, monkeypatch):
-    for name, value in _env(dirs, METHOD="qlora").items():
+    for name, value in _env(dirs, METHOD="full").items():
         monkeypatch.setenv(name, value)
     assert main(["trainjob", "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: METHOD=qlora") and "Traceback" not in err
+    assert err.startswith("error: METHOD=full") and "Traceback" not in err

@@ -38,6 +38,8 @@ def adapter_fingerprint(cfg: Config) -> dict:
         "lora_r": cfg.lora_r,
         "lora_alpha": cfg.lora_alpha,
         "lora_targets": "all-linear" if cfg.lora_target_linear else sorted(cfg.lora_target_modules),
+        # Only when set, so that checkpoints written before QLoRA existed still resume.
+        **({"load_in_4bit": True} if cfg.load_in_4bit else {}),
     }
 
 

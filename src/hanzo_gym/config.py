@@ -106,7 +106,10 @@ class Config(_Strict):
     train_on_inputs: bool = False
     sample_packing: bool = False
 
-    adapter: Literal["none", "lora"] = "none"
+    adapter: Literal["none", "lora", "qlora"] = "none"
+    load_in_4bit: bool = (
+        False  # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes), the adapter in full precision
+    )
     lora_r: int = Field(8, gt=0)
     lora_alpha: float = Field(16.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -153,9 +156,14 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _cross_key_rules(self) -> Config:
-        if self.adapter != "lora":
+        if self.adapter == "none":
             raise ValueError(
                 "full fine-tuning (adapter: none, the default) is not supported yet; set `adapter: lora`"
+            )
+        if (self.adapter == "qlora") != self.load_in_4bit:
+            raise ValueError(
+                "adapter: qlora and load_in_4bit: true go together (QLoRA: a LoRA adapter on a 4-bit base); "
+                "set both, or `adapter: lora` without load_in_4bit"
             )
         if not (self.lora_target_linear or self.lora_target_modules):
             raise ValueError("lora needs `lora_target_modules` or `lora_target_linear: true`")
@@ -190,14 +198,12 @@ class Config(_Strict):
 
 # Keys users bring from Axolotl that name features we do not have yet: say so plainly instead of "unknown key".
 _NOT_YET: dict[str, str] = {
-    "load_in_4bit": "QLoRA / 4-bit loading is not supported yet; remove `load_in_4bit` and train with `adapter: lora`",
     "load_in_8bit": "8-bit loading is not supported yet; remove `load_in_8bit` and train with `adapter: lora`",
     "deepspeed": "DeepSpeed is not supported; multi-process training runs under torchrun",
     "fsdp": "FSDP is not supported yet",
     "fsdp_config": "FSDP is not supported yet",
 }
 _VALUES_NOT_YET: dict[tuple[str, Any], str] = {
-    ("adapter", "qlora"): "QLoRA (adapter: qlora) is not supported yet; use `adapter: lora`",
     ("adapter", "full"): "full fine-tuning is not supported yet; use `adapter: lora`",
     **{
         (

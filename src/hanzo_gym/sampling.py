@@ -94,19 +94,20 @@ def _lora_folded(model: PreTrainedModel) -> Iterator[None]:
     if not hasattr(model, "disable_adapter"):
         yield
         return
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.disable_adapters]
+    if any(not m.get_base_layer().weight.is_floating_point() for m in layers):
+        yield  # a quantized (QLoRA) base has no weight to fold into: decode with the adapter branch on
+        return
     swapped = []
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, LoraLayer) and not module.disable_adapters:
-                adapters = [a for a in module.active_adapters if a in module.lora_A]
-                if not adapters:
-                    continue
-                base = module.get_base_layer()
-                delta = sum(module.get_delta_weight(a) for a in adapters)
-                swapped.append((base, base.weight))
-                base.weight = torch.nn.Parameter(
-                    base.weight + delta.to(base.weight.dtype), requires_grad=False
-                )
+        for module in layers:
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            if not adapters:
+                continue
+            base = module.get_base_layer()
+            delta = sum(module.get_delta_weight(a) for a in adapters)
+            swapped.append((base, base.weight))
+            base.weight = torch.nn.Parameter(base.weight + delta.to(base.weight.dtype), requires_grad=False)
     try:
         with model.disable_adapter():
             yield

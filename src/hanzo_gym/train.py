@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from peft import prepare_model_for_kbit_training
 from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
@@ -23,7 +24,11 @@ from hanzo_gym.sft import SftResult, train_sft
 def build_engine(
     cfg: Config, device: torch.device, dtype: torch.dtype, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> Engine:
-    model = load_causal_lm(cfg.base_model, dtype).to(device)
+    model = load_causal_lm(cfg.base_model, dtype, load_in_4bit=cfg.load_in_4bit, device=device)
+    if cfg.load_in_4bit:
+        # peft's preparation for k-bit training: the frozen base's remaining layers (norms, embeddings, output)
+        # in fp32, which keeps a bf16 QLoRA run stable. Checkpointing is set up below, non-reentrant.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with a frozen base (no input that requires grad).
         if hasattr(model, "activation_checkpointing_enable"):  # transformers' new name; the old one warns

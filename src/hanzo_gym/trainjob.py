@@ -109,12 +109,6 @@ def read_env(env: Mapping[str, str]) -> dict[str, str]:
     return {key: value.strip() for key, value in env.items() if isinstance(value, str) and value.strip()}
 
 
-def _cuda_note() -> str:
-    import torch
-
-    return "" if torch.cuda.is_available() else " (it would also need a CUDA GPU; this machine has none)"
-
-
 class _Problems:
     def __init__(self) -> None:
         self.lines: list[str] = []
@@ -170,28 +164,25 @@ def _parse_number(name: str, raw: str, kind: type, problems: _Problems) -> int |
     return value
 
 
-def _method(env: dict[str, str], problems: _Problems) -> None:
-    # Unset means lora: this image only trains LoRA, and the runtime that runs it sets METHOD=lora.
+def _method(env: dict[str, str], problems: _Problems) -> bool:
+    """Whether the job is QLoRA (a LoRA adapter on a 4-bit base): METHOD=qlora or QUANT_4BIT=true."""
+    # Unset means lora: the runtime that runs this image sets METHOD, and plain LoRA needs no bitsandbytes.
     raw = env.get("METHOD", "lora")
     method = raw.lower()
-    if method == "qlora":
+    if method == "full":
         problems.add(
-            f"METHOD={raw}: 4-bit QLoRA is not supported by this runtime yet{_cuda_note()}; use METHOD=lora "
-            "(with QUANT_4BIT=false) or the hanzo-ft-qlora runtime"
+            f"METHOD={raw}: full fine-tuning is not supported by hanzo-gym yet; send METHOD=lora or qlora, or "
+            "run the job on the hanzo-ft-full runtime"
         )
-    elif method == "full":
+    elif method not in ("lora", "qlora"):
+        problems.add(f"METHOD={raw}: unknown method; send METHOD=lora or METHOD=qlora")
+    four_bit = _parse_bool("QUANT_4BIT", env.get("QUANT_4BIT"), method == "qlora", problems)
+    if method == "qlora" and "QUANT_4BIT" in env and not four_bit:
         problems.add(
-            f"METHOD={raw}: full fine-tuning is not supported by hanzo-gym yet; send METHOD=lora, or run the "
-            "job on the hanzo-ft-full runtime"
+            f"METHOD={raw} with QUANT_4BIT={env['QUANT_4BIT']}: QLoRA is a 4-bit base; send QUANT_4BIT=true "
+            "(or leave it unset), or METHOD=lora"
         )
-    elif method != "lora":
-        problems.add(f"METHOD={raw}: unknown method; send METHOD=lora (qlora and full are other runtimes)")
-    if _parse_bool("QUANT_4BIT", env.get("QUANT_4BIT"), False, problems):
-        problems.add(
-            f"QUANT_4BIT={env['QUANT_4BIT']}: 4-bit QLoRA is not supported by this runtime yet{_cuda_note()}; "
-            "use QUANT_4BIT=false with METHOD=lora (a LoRA adapter on the unquantized model) or the "
-            "hanzo-ft-qlora runtime"
-        )
+    return bool(four_bit) or method == "qlora"
 
 
 def _base_model(env: dict[str, str], problems: _Problems) -> tuple[str | None, str | None]:
@@ -301,7 +292,7 @@ def trainjob_from_env(environ: Mapping[str, str]) -> TrainJob:
     """The TrainJob that these environment variables describe; ConfigError lists every problem."""
     env = read_env(environ)
     problems = _Problems()
-    _method(env, problems)
+    qlora = _method(env, problems)
     checkpointing = _parse_bool("GRADIENT_CHECKPOINTING", env.get("GRADIENT_CHECKPOINTING"), False, problems)
     task = env.get("TASK")
     if task is None:
@@ -335,7 +326,8 @@ def trainjob_from_env(environ: Mapping[str, str]) -> TrainJob:
         "base_model": base_model,
         "datasets": [{"path": str(path), "type": TASKS[task.lower()]} for path in files],
         "output_dir": str(output_dir / RUN_SUBDIR),
-        "adapter": "lora",
+        "adapter": "qlora" if qlora else "lora",
+        "load_in_4bit": qlora,
         "lora_target_linear": True,
         "num_epochs": epochs,
         "gradient_checkpointing": checkpointing,

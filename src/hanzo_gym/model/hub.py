@@ -123,17 +123,55 @@ def load_tokenizer(
     return tokenizer
 
 
-def load_causal_lm(base_model: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
-    """Load base_model as a transformers causal LM in `dtype`."""
+def load_causal_lm(
+    base_model: str, dtype: torch.dtype, load_in_4bit: bool = False, device: torch.device | None = None
+) -> transformers.PreTrainedModel:
+    """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
+    linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; the output layer stays
+    in `dtype`."""
     model_dir = resolve_model(base_model)
     _check_causal_lm_architecture(base_model, model_dir)
+    placement: dict = {}
+    if load_in_4bit:
+        placement = {"quantization_config": four_bit_config(dtype)}
+        if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
+            placement["device_map"] = {"": str(device)}
     try:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement)
+        if load_in_4bit:
+            _keep_4bit_weights_trainable(model)
+        return model.to(device) if device is not None and not load_in_4bit else model
     except OSError as error:
         raise ModelError(
             f"could not load the weights of base_model `{base_model}` from {model_dir}: {error}. "
             "The directory needs config.json plus model.safetensors (or sharded *.safetensors with an index)."
         ) from error
+
+
+def _keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
+    """bitsandbytes repacks a 4-bit weight for its CPU inference kernel at the first no-grad forward in eval
+    mode, for good; that kernel has no backward, so every later training step would get wrong gradients
+    through the frozen layers (measured: LoRA gradients off by ~100%). Training needs the unpacked path."""
+    from bitsandbytes.nn import Linear4bit
+
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def four_bit_config(compute_dtype: torch.dtype) -> transformers.BitsAndBytesConfig:
+    try:
+        import bitsandbytes  # noqa: F401 - only to say clearly that it is missing
+    except ImportError:
+        raise ModelError(
+            "load_in_4bit needs bitsandbytes: pip install 'hanzo-gym[qlora]' (or pip install bitsandbytes)"
+        ) from None
+    return transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
 
 
 def _check_causal_lm_architecture(base_model: str, model_dir: Path) -> None:

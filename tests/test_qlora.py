@@ -1,0 +1,155 @@
+"""QLoRA: a LoRA adapter trained on a 4-bit NF4 base (bitsandbytes, whose CPU kernels run these tiny models).
+bitsandbytes quantizes in blocks of 64, so the tiny model is 64 wide."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from bitsandbytes.nn import Linear4bit
+from conftest import save_tiny_word_model
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from hanzo_gym.cli import main
+from hanzo_gym.config import parse_config
+from hanzo_gym.engine import Datum
+from hanzo_gym.sampling import SamplingParams, sample_groups
+from hanzo_gym.train import build_engine
+
+WIDE = {"hidden_size": 64, "intermediate_size": 128}
+
+
+@pytest.fixture(scope="module")
+def wide_base(tmp_path_factory, word_tokenizer):
+    return save_tiny_word_model(tmp_path_factory.mktemp("tiny-wide"), word_tokenizer, **WIDE)
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chats") / "train.jsonl"
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight"]
+    with open(path, "w") as handle:
+        for word in words:
+            messages = [
+                {"role": "user", "content": f"how are you {word}"},
+                {"role": "assistant", "content": f"I am well {word} thanks"},
+            ]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def qlora_config(base, data, output_dir, **overrides) -> dict:
+    return {
+        "base_model": str(base),
+        "datasets": [{"path": str(data), "type": "chat_template"}],
+        "output_dir": str(output_dir),
+        "adapter": "qlora",
+        "load_in_4bit": True,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_target_linear": True,
+        "micro_batch_size": 4,
+        "num_epochs": 4,
+        "learning_rate": 5e-3,
+        "logging_steps": 1,
+        "sequence_len": 64,
+        **overrides,
+    }
+
+
+def test_qlora_trains_on_a_4bit_base_and_merges_into_the_full_precision_model(tmp_path, wide_base, chats):
+    run = tmp_path / "run"
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(qlora_config(wide_base, chats, run)))
+    assert main(["train", str(path)]) == 0
+    losses = [
+        row["loss"]
+        for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "loss" in row
+    ]
+    assert len(losses) == 8 and losses[-1] < losses[0] * 0.7
+
+    # The adapter is an ordinary PEFT adapter: it loads on the full-precision base.
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(wide_base), str(run))
+    assert json.loads((run / "adapter_config.json").read_text())["r"] == 8
+    merged_dir = tmp_path / "merged"
+    assert main(["merge", str(path), "--out", str(merged_dir)]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert "quantization_config" not in json.loads((merged_dir / "config.json").read_text())
+    tokens = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, tuned(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_4bit_model_samples_what_it_scores(tmp_path, wide_base, chats, word_tokenizer):
+    cfg = parse_config(qlora_config(wide_base, chats, tmp_path / "unused"))
+    engine = build_engine(cfg, torch.device("cpu"), torch.float32, word_tokenizer)
+    linear_bases = [m.base_layer for m in engine.model.modules() if hasattr(m, "base_layer")]
+    assert linear_bases and all(isinstance(b, Linear4bit) for b in linear_bases)
+    with torch.no_grad():
+        for name, parameter in engine.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3)  # an adapter that changes what the model says
+    prompt = [1, 8, 9, 12]
+    [[greedy]] = sample_groups(
+        engine.model, word_tokenizer, [prompt], 1, SamplingParams(max_tokens=6, temperature=0)
+    )
+    tokens = list(prompt)
+    engine.model.eval()
+    with torch.no_grad():
+        for _ in range(len(greedy.tokens)):
+            tokens.append(int(engine.model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+    assert greedy.tokens == tokens[len(prompt) :]
+    [group] = sample_groups(engine.model, word_tokenizer, [prompt], 3, SamplingParams(max_tokens=5, seed=0))
+    for sequence in group:
+        full = prompt + sequence.tokens
+        [recomputed] = engine.forward([Datum(full[:-1], {"target_tokens": full[1:]})])
+        torch.testing.assert_close(
+            recomputed[-len(sequence.tokens) :], torch.tensor(sequence.logprobs), rtol=1e-3, atol=1e-3
+        )
+
+
+def test_qlora_gradients_equal_those_of_the_dequantized_model(tmp_path, wide_base, chats, word_tokenizer):
+    """The reference: the same network in fp32 with each 4-bit weight replaced by its dequantized value, and
+    the same adapter. Scores and LoRA gradients must agree (they would not if the 4-bit layers dropped the
+    gradient flowing through them)."""
+    import bitsandbytes.functional as bnb_functional
+
+    from hanzo_gym.engine import Engine
+    from hanzo_gym.model.hub import load_causal_lm
+    from hanzo_gym.model.lora import attach_lora
+
+    cfg = parse_config(qlora_config(wide_base, chats, tmp_path / "unused", lora_r=4))
+    quantized = build_engine(cfg, torch.device("cpu"), torch.float32, word_tokenizer)
+    reference_model = AutoModelForCausalLM.from_pretrained(wide_base)
+    for name, module in load_causal_lm(str(wide_base), torch.float32, load_in_4bit=True).named_modules():
+        if isinstance(module, Linear4bit):
+            dequantized = bnb_functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            reference_model.get_submodule(name).weight.data.copy_(dequantized)
+    reference = Engine(attach_lora(reference_model, 4, cfg.lora_alpha, 0.0, "all-linear", str(wide_base)))
+    with torch.no_grad():
+        mine = dict(reference.model.named_parameters())
+        for name, parameter in quantized.model.named_parameters():
+            if "lora_" in name:
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.2)
+                mine[name].copy_(parameter)
+    data = [
+        Datum([1, 8, 9, 12, 13, 14], {"target_tokens": [8, 9, 12, 13, 14, 2], "weights": [1.0] * 6}),
+        Datum([20, 21, 22], {"target_tokens": [21, 22, 2], "weights": [1.0] * 3}),
+    ]
+    got, want = (
+        quantized.forward_backward(data, "cross_entropy"),
+        reference.forward_backward(data, "cross_entropy"),
+    )
+    assert got.loss_sum == pytest.approx(want.loss_sum, rel=1e-5)
+    gradients = {n: p.grad for n, p in reference.model.named_parameters() if p.grad is not None}
+    checked = 0
+    for name, parameter in quantized.model.named_parameters():
+        if parameter.grad is not None:
+            torch.testing.assert_close(parameter.grad, gradients[name], rtol=1e-4, atol=1e-6)
+            checked += 1
+    assert checked == len(gradients) == 2 * 7 * 2  # A and B of 7 projections in each of 2 layers
