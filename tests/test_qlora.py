@@ -153,3 +153,40 @@ def test_qlora_gradients_equal_those_of_the_dequantized_model(tmp_path, wide_bas
             torch.testing.assert_close(parameter.grad, gradients[name], rtol=1e-4, atol=1e-6)
             checked += 1
     assert checked == len(gradients) == 2 * 7 * 2  # A and B of 7 projections in each of 2 layers
+
+
+def test_trainjob_with_method_qlora_writes_a_full_precision_merged_model(
+    tmp_path, wide_base, chats, monkeypatch
+):
+    from hanzo_gym.trainjob import VARIABLES
+
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    (dataset / "chats.jsonl").write_text(chats.read_text())
+    output = tmp_path / "output"
+    env = {
+        "METHOD": "qlora",
+        "TASK": "chat",
+        "MODEL_DIR": str(wide_base),
+        "DATASET_DIR": str(dataset),
+        "OUTPUT_DIR": str(output),
+        "EPOCHS": "1",
+        "BATCH_SIZE": "4",
+        "GRAD_ACCUM": "1",
+        "MAX_SEQ_LEN": "64",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["trainjob"]) == 0
+    resolved = json.loads((output / "run" / "config.json").read_text())
+    assert (resolved["adapter"], resolved["load_in_4bit"]) == ("qlora", True)
+    assert "quantization_config" not in json.loads((output / "config.json").read_text())
+    merged = AutoModelForCausalLM.from_pretrained(output)
+    tuned = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(wide_base), str(output / "adapter")
+    )
+    tokens = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, tuned(tokens).logits, rtol=1e-4, atol=1e-4)
