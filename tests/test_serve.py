@@ -528,6 +528,8 @@ def test_gym_serve_prints_its_address_and_answers(tiny_dir, engine):
 def test_gym_serve_reports_bad_arguments(tiny_dir, capsys):
     assert main(["serve", "--model", tiny_dir, "--adapter", "no-equals-sign"]) == 2
     assert "NAME=PATH" in capsys.readouterr().err
+    assert main(["serve", "--model", tiny_dir, "--adapter", "x=/a", "--adapter", " x = /b"]) == 2
+    assert "--adapter x is given twice" in capsys.readouterr().err
     assert main(["serve", "--model", tiny_dir, "--adapter", "x=/no/such/adapter", "--port", "0"]) == 2
     assert "cannot load adapter `x`" in capsys.readouterr().err
     assert main(["serve", "--model", tiny_dir, "--renderer", "no-such-renderer", "--port", "0"]) == 2

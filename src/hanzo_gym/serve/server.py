@@ -286,12 +286,12 @@ def serve(
 def parse_adapter_specs(specs: list[str] | None) -> dict[str, str]:
     adapters: dict[str, str] = {}
     for spec in specs or []:
-        name, sep, path = spec.partition("=")
-        if not sep or not name.strip() or not path.strip():
+        name, sep, path = (part.strip() for part in spec.partition("="))
+        if not sep or not name or not path:
             raise GymError(f"--adapter {spec!r}: write NAME=PATH (a PEFT adapter folder or a gym:// path)")
         if name in adapters:
             raise GymError(f"--adapter {name} is given twice")
-        adapters[name.strip()] = path.strip()
+        adapters[name] = path
     return adapters
 
 
