@@ -2,9 +2,10 @@ import json
 
 import pytest
 
+from hanzo_gym import rundir
 from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
 from hanzo_gym.data.example import IGNORE_INDEX, Example
-from hanzo_gym.rundir import RunDir, publish_directory
+from hanzo_gym.rundir import RunDir, publish_directory, publish_files_into
 from hanzo_gym.schedule import lr_at
 
 
@@ -58,6 +59,33 @@ def test_publish_directory_is_all_or_nothing(tmp_path):
     publish_directory(lambda d: (d / "b").write_text("2"), final)
     assert sorted(p.name for p in final.iterdir()) == ["b"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+
+
+def test_publishing_files_moves_the_marker_last(tmp_path, monkeypatch):
+    (tmp_path / "adapter_config.json").write_text("old run")
+    (tmp_path / "adapter_model.safetensors").write_text("old weights")
+
+    def build(directory):
+        for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json"):
+            (directory / name).write_text("new")
+
+    moved = []
+    real_replace = rundir.os.replace
+
+    def crash_after_two(source, destination):
+        if len(moved) == 2:
+            raise OSError("killed")
+        moved.append(destination.name)
+        real_replace(source, destination)
+
+    monkeypatch.setattr(rundir.os, "replace", crash_after_two)
+    with pytest.raises(OSError):
+        publish_files_into(build, tmp_path, marker="adapter_config.json")
+    # Killed part-way: new weights, but no adapter_config.json to vouch for a mix of old and new files.
+    assert "adapter_config.json" not in moved and not (tmp_path / "adapter_config.json").exists()
+    monkeypatch.setattr(rundir.os, "replace", real_replace)
+    publish_files_into(build, tmp_path, marker="adapter_config.json")
+    assert (tmp_path / "adapter_config.json").read_text() == "new"
 
 
 def test_run_dir_records_and_forgets(tmp_path):

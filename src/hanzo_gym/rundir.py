@@ -61,11 +61,17 @@ def publish_directory(build: Callable[[Path], None], final: Path) -> None:
         os.replace(tmp, final)
 
 
-def publish_files_into(build: Callable[[Path], None], directory: Path) -> None:
-    """Run `build(tmp)` on a temporary folder, then move each file it wrote into `directory` (one rename each)."""
+def publish_files_into(build: Callable[[Path], None], directory: Path, marker: str | None = None) -> None:
+    """Run `build(tmp)` on a temporary folder, then move each file it wrote into `directory` (one rename each).
+
+    `marker` names the file that says the set is complete (a PEFT adapter's adapter_config.json): the old one
+    goes first and the new one moves last, so a crash part-way leaves no marker next to a mix of old and new
+    files."""
     staging = directory / f".staging-{os.getpid()}"
     publish_directory(build, staging)
-    for item in staging.iterdir():
+    if marker is not None:
+        (directory / marker).unlink(missing_ok=True)
+    for item in sorted(staging.iterdir(), key=lambda path: path.name == marker):
         os.replace(item, directory / item.name)
     staging.rmdir()
 

@@ -110,6 +110,6 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
         print(f"wrote adapter to {adapter_dir}", flush=True)
         return result
     # The final adapter sits at the run directory's top level, next to the run files, as Axolotl puts it.
-    publish_files_into(final, run.path)
+    publish_files_into(final, run.path, marker="adapter_config.json")
     print(f"wrote adapter to {run.path}", flush=True)
     return result
