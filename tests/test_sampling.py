@@ -159,3 +159,22 @@ def test_models_with_scaled_logits_sample_from_their_own_head(word_tokenizer):
         logits = model(input_ids=torch.tensor([full[:-1]])).logits[0].log_softmax(-1)
     want = logits.gather(1, torch.tensor(full[1:])[:, None]).squeeze(1)[-len(greedy.tokens) :]
     torch.testing.assert_close(torch.tensor(greedy.logprobs), want, rtol=1e-4, atol=1e-4)
+
+
+def test_cancelled_prompts_stop_decoding_and_leave_the_others_untouched(policy, word_tokenizer):
+    params = SamplingParams(max_tokens=10, temperature=0)
+    alone = sample_groups(policy, word_tokenizer, PROMPTS, 2, params)
+    asked = []
+
+    def cancel_prompt_zero_from_step_three() -> list[int]:
+        asked.append(1)
+        return [0] if len(asked) > 3 else []
+
+    groups = sample_groups(
+        policy, word_tokenizer, PROMPTS, 2, params, cancelled_prompts=cancel_prompt_zero_from_step_three
+    )
+    assert [len(s.tokens) for s in groups[0]] == [min(3, len(s.tokens)) for s in alone[0]]
+    for got, want in zip(groups[1:], alone[1:]):  # same tokens; the scores up to the batch's float rounding
+        assert [s.tokens for s in got] == [s.tokens for s in want]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)

@@ -347,7 +347,7 @@ def test_a_streaming_client_that_leaves_stops_its_sampling(client, tiny_dir, mon
     outcomes = []
     original = sample_batcher.sample_groups
 
-    def slow(model, tokenizer, prompts, num_samples, params, on_step=None):
+    def slow(model, tokenizer, prompts, num_samples, params, on_step=None, **kwargs):
         steps = []
 
         def step(*args):
@@ -356,7 +356,9 @@ def test_a_streaming_client_that_leaves_stops_its_sampling(client, tiny_dir, mon
             on_step(*args)
 
         try:
-            result = original(model, tokenizer, prompts, num_samples, params, on_step=on_step and step)
+            result = original(
+                model, tokenizer, prompts, num_samples, params, on_step=on_step and step, **kwargs
+            )
         except BaseException as exc:
             outcomes.append((type(exc).__name__, len(steps)))
             raise
@@ -372,8 +374,39 @@ def test_a_streaming_client_that_leaves_stops_its_sampling(client, tiny_dir, mon
     stream.close()
     reply = client.completions.create(model=tiny_dir, prompt=LONG_TEXT, max_tokens=2, temperature=0)
     assert reply.choices[0].finish_reason == "length"
-    assert outcomes[0][0] == "_Cancelled" and outcomes[0][1] < 100, outcomes
+    # The sampler stopped decoding for it long before its 200 tokens (cancelled between tokens, or at one).
+    assert outcomes[0][0] in ("done", "_Cancelled") and outcomes[0][1] < 100, outcomes
     assert outcomes[1] == ("done", 0)  # the next request ran (batched, unfollowed)
+
+
+def test_a_client_that_hangs_up_on_a_batched_request_frees_the_sampler(server, client, tiny_dir, monkeypatch):
+    calls: list[list[int]] = []  # per sampler call: one entry per decoding step
+    original = sample_batcher.sample_groups
+
+    def slow(model, tokenizer, prompts, num_samples, params, cancelled_prompts=None, **kwargs):
+        steps: list[int] = []
+        calls.append(steps)
+
+        def check():
+            steps.append(1)
+            time.sleep(0.01)  # 200 tokens take two seconds: time enough to hang up part-way
+            return cancelled_prompts()
+
+        return original(model, tokenizer, prompts, num_samples, params, cancelled_prompts=check, **kwargs)
+
+    monkeypatch.setattr(sample_batcher, "sample_groups", slow)
+    body = json.dumps({"model": tiny_dir, "prompt": [11, 12], "max_tokens": 200, "temperature": 0}).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(len(body)))
+    connection.endheaders(body)
+    time.sleep(0.3)
+    connection.close()  # hung up before the answer
+    # The next request waits for the sampler: it answers once the abandoned one has stopped.
+    reply = client.completions.create(model=tiny_dir, prompt=LONG_TEXT, max_tokens=2, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    assert 0 < len(calls[0]) < 120, len(calls[0])  # far from the 200 tokens it asked for
 
 
 # -- bad requests ---------------------------------------------------------------------------------------------

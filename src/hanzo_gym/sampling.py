@@ -177,10 +177,12 @@ def sample_groups(
     num_samples: int,
     params: SamplingParams,
     on_step: Callable[[list[int], list[int], torch.Tensor], None] | None = None,
+    cancelled_prompts: Callable[[], list[int]] | None = None,
 ) -> list[list[SampledSequence]]:
     """`num_samples` completions for each prompt; result[i][j] is sample j of prompt i. `on_step(rows, tokens,
     logprobs)` hears each step's new tokens (row = prompt index × num_samples + sample index) and the raw
-    log-probability distributions they were drawn from ([len(rows), vocab]), for streaming."""
+    log-probability distributions they were drawn from ([len(rows), vocab]), for streaming. `cancelled_prompts()`,
+    asked before every step, names the prompts nobody waits for any more: their rows stop decoding there."""
     if not prompts or num_samples < 1:
         return [[] for _ in prompts]
     if any(len(p) == 0 for p in prompts):
@@ -237,6 +239,16 @@ def sample_groups(
         live = torch.ones(total, dtype=torch.bool, device=device)  # finished rows ride along until pruned
 
         for step in range(max_tokens):
+            gone = cancelled_prompts() if cancelled_prompts is not None else []
+            if gone:
+                gone_rows = torch.tensor(
+                    [p * num_samples + j for p in gone for j in range(num_samples)], device=device
+                )
+                hit = live & torch.isin(rows, gone_rows)
+                lengths[rows[hit]] = step
+                live &= ~hit
+                if not live.any():
+                    break
             if params.temperature == 0:
                 chosen = logits.argmax(-1)
             else:

@@ -30,6 +30,7 @@ class _Request:
     # (sample index, token, raw log-probabilities over the vocabulary it was drawn from) as each token is drawn
     on_token: Callable[[int, int, torch.Tensor], None] | None
     owner: object = None  # kept alive while the request waits: a client's adapter lives as long as the client
+    cancel: threading.Event | None = None  # set through SampleBatcher.cancel when nobody waits for the result
 
     def batch_key(self) -> tuple | None:
         if self.params.seed is not None or self.on_token is not None:
@@ -44,6 +45,7 @@ class SampleBatcher:
         self.host = host
         self._queue: collections.deque[_Request] = collections.deque()
         self._wakeup = threading.Condition()
+        self._cancellations = threading.Event()  # some request was cancelled since the batch started
         self._thread = threading.Thread(target=self._serve, name="hanzo-gym-sampler", daemon=True)
         self._thread.start()
 
@@ -55,8 +57,10 @@ class SampleBatcher:
         params: SamplingParams,
         on_token: Callable[[int, int, torch.Tensor], None] | None = None,
         owner: object = None,
+        cancel: threading.Event | None = None,
     ) -> concurrent.futures.Future[list[SampledSequence]]:
-        """Checked here, on the caller's thread: a bad request fails its caller, never the sampler thread."""
+        """Checked here, on the caller's thread: a bad request fails its caller, never the sampler thread.
+        `cancel`, passed later to `cancel()`, stops the request's decoding, even inside a batch."""
         if not isinstance(params, SamplingParams):
             raise GymError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -67,11 +71,17 @@ class SampleBatcher:
         if bad:
             raise GymError(f"prompt token {bad[0]!r} is not a token id of this model (0 ≤ id < {vocab})")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        request = _Request(adapter, tokens, num_samples, params, future, on_token, owner)
+        request = _Request(adapter, tokens, num_samples, params, future, on_token, owner, cancel)
         with self._wakeup:
             self._queue.append(request)
             self._wakeup.notify()
         return future
+
+    def cancel(self, event: threading.Event) -> None:
+        """Nobody waits for the request submitted with `event` any more: it fails with a GymError, and a batch
+        it is decoding in stops decoding its rows at the next token."""
+        event.set()
+        self._cancellations.set()
 
     def _serve(self) -> None:
         while True:
@@ -105,8 +115,18 @@ class SampleBatcher:
 
     def _run(self, batch: list[_Request]) -> None:
         batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
+        for request in [r for r in batch if _cancelled(r)]:
+            request.future.set_exception(GymError("the request was cancelled"))
+        batch = [r for r in batch if not _cancelled(r)]
         if not batch:
             return
+        self._cancellations.clear()
+
+        def cancelled_prompts() -> list[int]:
+            if not self._cancellations.is_set():  # the usual case costs one flag read per decoding step
+                return []
+            return [index for index, request in enumerate(batch) if _cancelled(request)]
+
         first = batch[0]
         on_step = None
         if first.on_token is not None:
@@ -124,10 +144,18 @@ class SampleBatcher:
                     first.num_samples,
                     first.params,
                     on_step=on_step,
+                    cancelled_prompts=cancelled_prompts,
                 )
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about the failure
             for request in batch:
                 request.future.set_exception(exc)
             return
         for request, group in zip(batch, groups):
-            request.future.set_result(group)
+            if _cancelled(request):
+                request.future.set_exception(GymError("the request was cancelled"))
+            else:
+                request.future.set_result(group)
+
+
+def _cancelled(request: _Request) -> bool:
+    return request.cancel is not None and request.cancel.is_set()

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ from hanzo_gym.serve.protocol import APIError, ChatRequest, CompletionRequest, S
 from hanzo_gym.serve.text import TextTracker, decode, find_stop
 
 _DONE = object()
+
+CLIENT_CHECK_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 class _Cancelled(Exception):
@@ -57,6 +60,7 @@ class Generation:
         stop_strings: list[str],
         top_logprobs: int | None,  # None: no log-probabilities; 0: the sampled token's only
         follow: bool,  # stream: hear every token as it is drawn
+        client_gone: Callable[[], bool] | None = None,  # while waiting: has the client hung up?
     ):
         self.models = models
         self.tokenizer = models.host.tokenizer
@@ -87,9 +91,13 @@ class Generation:
         ]
         self.follow = follow or self.top > 0
         self.cancelled = False
+        self.client_gone = client_gone
+        self.cancel_event = threading.Event()
         for index, job in enumerate(self.jobs):
             on_token = self._listener(index) if self.follow else None
-            job.future = models.batcher.submit(adapter, job.prompt, sampling.n, params, on_token=on_token)
+            job.future = models.batcher.submit(
+                adapter, job.prompt, sampling.n, params, on_token=on_token, cancel=self.cancel_event
+            )
             job.future.add_done_callback(lambda _, index=index: self.events.put((_DONE, index)))
 
     def _listener(self, job: int):
@@ -117,6 +125,15 @@ class Generation:
             raise APIError(f"sampling failed: {exc}", status=500, type="server_error") from None
 
     def results(self) -> list[list[SampledSequence]]:
+        futures = [job.future for job in self.jobs]
+        while self.client_gone is not None:
+            _, pending = concurrent.futures.wait(futures, timeout=CLIENT_CHECK_SECONDS)
+            if not pending:
+                break
+            if self.client_gone():
+                # Nobody will read the answer: free the sampler for the requests still waiting.
+                self.cancel()
+                raise APIError("the client closed the connection", 499, code="client_closed_request")
         return [self.result(job) for job in range(len(self.jobs))]
 
     def finished(self) -> list[list[tuple[_Sample, SampledSequence]]]:
@@ -151,6 +168,7 @@ class Generation:
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.models.batcher.cancel(self.cancel_event)
 
     def drain(self) -> None:
         for _ in self.stream():
@@ -187,7 +205,9 @@ def _stops(stop_sequences: list[int] | list[str]) -> tuple[list[int], list[str]]
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------------------
-def chat(models: ServedModels, request: ChatRequest) -> dict[str, Any] | Iterator[dict[str, Any]]:
+def chat(
+    models: ServedModels, request: ChatRequest, client_gone: Callable[[], bool] | None = None
+) -> dict[str, Any] | Iterator[dict[str, Any]]:
     adapter = models.adapter_slot(request.model)
     renderer = models.chat_renderer()
     try:
@@ -208,6 +228,7 @@ def chat(models: ServedModels, request: ChatRequest) -> dict[str, Any] | Iterato
         list(dict.fromkeys([*request.sampling.stop, *renderer_strings])),
         request.top_logprobs if request.logprobs else None,
         follow=request.stream,
+        client_gone=client_gone,
     )
     model = request.model or models.name
     if request.stream:
@@ -287,7 +308,9 @@ def _chat_chunks(generation: Generation, model: str, request: ChatRequest) -> It
 
 
 # -- /v1/completions ---------------------------------------------------------------------------------------
-def complete(models: ServedModels, request: CompletionRequest) -> dict[str, Any] | Iterator[dict[str, Any]]:
+def complete(
+    models: ServedModels, request: CompletionRequest, client_gone: Callable[[], bool] | None = None
+) -> dict[str, Any] | Iterator[dict[str, Any]]:
     adapter = models.adapter_slot(request.model)
     tokenizer = models.host.tokenizer
     prompts = []
@@ -304,6 +327,7 @@ def complete(models: ServedModels, request: CompletionRequest) -> dict[str, Any]
         request.sampling.stop,
         request.logprobs,
         request.stream,
+        client_gone,
     )
     model = request.model or models.name
     if request.stream:

@@ -6,6 +6,7 @@ sends, the answer is JSON (an OpenAI-style error for anything wrong) and the ser
 from __future__ import annotations
 
 import json
+import select
 import socket
 import sys
 import threading
@@ -102,9 +103,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._require("POST")
         body = self._read_json()
         if path == "/v1/chat/completions":
-            return api.chat(models, parse_chat(body))
+            return api.chat(models, parse_chat(body), self._client_gone)
         if path == "/v1/completions":
-            return api.complete(models, parse_completion(body))
+            return api.complete(models, parse_completion(body), self._client_gone)
         if path == "/v1/load_lora_adapter":
             request = parse_load_adapter(body)
             models.load(request.name, request.path)
@@ -112,6 +113,15 @@ class _Handler(BaseHTTPRequestHandler):
         name = parse_unload_adapter(body)
         models.unload(name)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _client_gone(self) -> bool:
+        """Whether the client hung up: its socket reads as closed. Bytes waiting (a pipelined request) are not
+        a hang-up."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def _require(self, method: str) -> None:
         if self.command != method:
