@@ -177,4 +177,6 @@ def test_cancelled_prompts_stop_decoding_and_leave_the_others_untouched(policy, 
     for got, want in zip(groups[1:], alone[1:]):  # same tokens; the scores up to the batch's float rounding
         assert [s.tokens for s in got] == [s.tokens for s in want]
         for a, b in zip(got, want):
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5
+            )

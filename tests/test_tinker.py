@@ -445,3 +445,14 @@ def test_bad_requests_fail_their_caller_and_everything_keeps_working(service, ti
     assert (
         len(sampler.sample(prompt, 2, types.SamplingParams(max_tokens=2)).result(timeout=30).sequences) == 2
     )
+
+
+def test_closing_the_service_ends_its_sampler_threads(tmp_path, tiny_dir):
+    with tinker.ServiceClient(root=tmp_path / "runs") as service:
+        sampler = service.create_sampling_client(base_model=tiny_dir)
+        prompt = types.ModelInput.from_ints([8, 9])
+        pending = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=3))
+        thread = sampler._batcher._thread
+        assert thread.is_alive()
+    assert not thread.is_alive()
+    assert len(pending.result(timeout=1).sequences) == 2  # what was queued was answered first

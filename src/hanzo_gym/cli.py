@@ -12,9 +12,13 @@ from hanzo_gym.errors import GymError
 
 def _train(args: argparse.Namespace) -> None:
     from hanzo_gym.config import load_config
+    from hanzo_gym.distributed import shutdown
     from hanzo_gym.train import run_training
 
-    run_training(load_config(args.config))
+    try:
+        run_training(load_config(args.config))
+    finally:
+        shutdown()  # under torchrun run_training joined the process group
 
 
 def _preprocess(args: argparse.Namespace) -> None:

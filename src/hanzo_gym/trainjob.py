@@ -83,7 +83,7 @@ VARIABLES = (
 # Files `save_pretrained` writes for a model and its tokenizer: what a previous run's merged model left at
 # OUTPUT_DIR's top level, removed before a new run so that no stale shard or index outlives it.
 _MODEL_FILE_PATTERNS = (*MODEL_PATTERNS, "*.safetensors.index.json")
-_STAGING_PREFIX = ".gym-staging-"
+_STAGING_PREFIX = ".staging-"  # what rundir.publish_files_into stages in
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -404,7 +404,7 @@ def _publish_merged(job: TrainJob) -> None:
     """Write the merged model into OUTPUT_DIR: built in a hidden staging folder, then each file renamed into
     place, config.json last, so that a crash never leaves something that loads as a half-written model."""
     from hanzo_gym.merge import merged_from
-    from hanzo_gym.rundir import publish_directory
+    from hanzo_gym.rundir import publish_files_into
 
     model, tokenizer = merged_from(job.config, job.adapter_dir)
 
@@ -413,11 +413,7 @@ def _publish_merged(job: TrainJob) -> None:
         tokenizer.save_pretrained(str(directory))
         _readable_by_all(directory)
 
-    staging = job.output_dir / f"{_STAGING_PREFIX}{os.getpid()}"
-    publish_directory(write, staging)
-    for item in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):
-        os.replace(item, job.output_dir / item.name)
-    staging.rmdir()
+    publish_files_into(write, job.output_dir, marker="config.json")
 
 
 def _readable_by_all(directory: Path) -> None:

@@ -45,6 +45,7 @@ class SampleBatcher:
         self.host = host
         self._queue: collections.deque[_Request] = collections.deque()
         self._wakeup = threading.Condition()
+        self._closing = False
         self._cancellations = threading.Event()  # some request was cancelled since the batch started
         self._thread = threading.Thread(target=self._serve, name="hanzo-gym-sampler", daemon=True)
         self._thread.start()
@@ -83,11 +84,20 @@ class SampleBatcher:
         event.set()
         self._cancellations.set()
 
+    def close(self) -> None:
+        """End the sampler thread once the queued requests are done; it holds the model while it runs."""
+        with self._wakeup:
+            self._closing = True
+            self._wakeup.notify()
+        self._thread.join()
+
     def _serve(self) -> None:
         while True:
             with self._wakeup:
-                while not self._queue:
+                while not self._queue and not self._closing:
                     self._wakeup.wait()
+                if not self._queue:
+                    return
                 batch = self._take_batch()
             try:
                 self._run(batch)
@@ -115,12 +125,12 @@ class SampleBatcher:
 
     def _run(self, batch: list[_Request]) -> None:
         batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
+        self._cancellations.clear()  # before the check below: a cancel landing after it must stay seen
         for request in [r for r in batch if _cancelled(r)]:
             request.future.set_exception(GymError("the request was cancelled"))
         batch = [r for r in batch if not _cancelled(r)]
         if not batch:
             return
-        self._cancellations.clear()
 
         def cancelled_prompts() -> list[int]:
             if not self._cancellations.is_set():  # the usual case costs one flag read per decoding step

@@ -27,10 +27,6 @@ _DONE = object()
 CLIENT_CHECK_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
 
 
-class _Cancelled(Exception):
-    """Raised into the sampler when a streaming client has gone."""
-
-
 @dataclass
 class _Sample:
     """One completion (prompt p, sample j) as it is built."""
@@ -90,7 +86,6 @@ class Generation:
             for prompt in prompts
         ]
         self.follow = follow or self.top > 0
-        self.cancelled = False
         self.client_gone = client_gone
         self.cancel_event = threading.Event()
         for index, job in enumerate(self.jobs):
@@ -103,8 +98,6 @@ class Generation:
     def _listener(self, job: int):
         def on_token(row: int, token: int, logprobs: torch.Tensor) -> None:
             # Runs on the sampler's thread: keep it short; the request's thread does the text work.
-            if self.cancelled:
-                raise _Cancelled  # the client left: stop decoding for it (the batcher fails only this job)
             value = float(logprobs[token]) if self.want_logprobs else 0.0
             tops: list[tuple[int, float]] = []
             if self.top:
@@ -167,7 +160,6 @@ class Generation:
             yield job, row, sample
 
     def cancel(self) -> None:
-        self.cancelled = True
         self.models.batcher.cancel(self.cancel_event)
 
     def drain(self) -> None:

@@ -291,6 +291,7 @@ def serve(
         server.serve_forever()
     finally:
         server.stop()
+        models.batcher.close()
 
 
 def parse_adapter_specs(specs: list[str] | None) -> dict[str, str]:

@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from peft import LoraConfig
@@ -47,7 +47,8 @@ class ServiceClient:
 
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         """The base models already loaded in this process; any causal LM transformers can load works."""
-        return GetServerCapabilitiesResponse([SupportedModel(name) for name in self._hosts])
+        with self._lock:
+            return GetServerCapabilitiesResponse([SupportedModel(name) for name in self._hosts])
 
     def create_lora_training_client(
         self,
@@ -147,8 +148,22 @@ class ServiceClient:
             return self._hosts[key]
 
     def _sampling_client(self, host: ModelHost, adapter: str | None, owns_adapter: bool) -> SamplingClient:
-        _, batcher = self._host(host.base_model)
+        with self._lock:
+            batcher = next(b for h, b in self._hosts.values() if h is host)
         return SamplingClient(host, batcher, adapter, owns_adapter)
+
+    def close(self) -> None:
+        """Stop the sampler threads; the base models are freed once no client refers to them."""
+        with self._lock:
+            hosts, self._hosts = list(self._hosts.values()), {}
+        for _, batcher in hosts:
+            batcher.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _from_state(self, path: str, base_model: str | None, with_optimizer: bool) -> TrainingClient:
         directory = paths.resolve(path, self.root)

@@ -7,8 +7,6 @@ Every call returns a future at once and runs on the client's own worker in submi
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +19,7 @@ from hanzo_gym.engine import Datum as EngineDatum
 from hanzo_gym.errors import GymError
 from hanzo_gym.losses import CONFIG_KEYS, LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
 from hanzo_gym.model.host import ModelHost, read_adapter
+from hanzo_gym.rundir import publish_directory
 from hanzo_gym.tinker import paths
 from hanzo_gym.tinker.futures import APIFuture, OrderedWorker
 from hanzo_gym.tinker.types import (
@@ -163,7 +162,7 @@ class TrainingClient:
         return self.save_weights_for_sampler(*args, **kwargs)
 
     async def save_weights_and_get_sampling_client_async(self, *args: Any, **kwargs: Any) -> SamplingClient:
-        return await APIFuture(self._worker.submit(self._snapshot)._future)
+        return await self._submit(self._snapshot)
 
     async def get_info_async(self) -> GetInfoResponse:
         return self.get_info()
@@ -257,9 +256,8 @@ class TrainingClient:
         if destination.exists() and not overwrite:
             raise GymError(f"{path} already exists; pick another name or pass overwrite=True")
         destination.parent.mkdir(parents=True, exist_ok=True)
-        # Written whole into a temporary sibling and renamed: a crash never leaves half a checkpoint.
-        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
-        try:
+
+        def build(staging: Path) -> None:
             self._host.save_adapter(self._adapter, staging)
             self._host.tokenizer.save_pretrained(str(staging))
             if with_optimizer:
@@ -267,12 +265,9 @@ class TrainingClient:
             (staging / "gym_checkpoint.json").write_text(
                 json.dumps({"base_model": self._host.base_model, "run_id": self.run_id, "path": path}) + "\n"
             )
-            if destination.exists():
-                shutil.rmtree(destination)
-            staging.rename(destination)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+
+        # Written whole into a temporary sibling and renamed: a crash never leaves half a checkpoint.
+        publish_directory(build, destination)
         return response(path=path)
 
     def _load(self, path: str, with_optimizer: bool) -> LoadWeightsResponse:
