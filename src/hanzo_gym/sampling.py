@@ -38,7 +38,7 @@ class SampledSequence:
     stop_reason: Literal["stop", "length"]
 
 
-def _stop_lists(stop: SamplingParams.stop) -> tuple[list[int], list[str]]:
+def stop_lists(stop: SamplingParams.stop) -> tuple[list[int], list[str]]:
     if stop is None:
         return [], []
     if isinstance(stop, str):
@@ -197,7 +197,7 @@ def sample_groups(
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     if max_tokens < 1:
         raise GymError(f"no room to sample: prompts of {longest} tokens fill the model's context")
-    stop_ids, stop_strings = _stop_lists(params.stop)
+    stop_ids, stop_strings = stop_lists(params.stop)
     if tokenizer.eos_token_id is not None:
         stop_ids = [*stop_ids, tokenizer.eos_token_id]
     stop_ids_t = torch.tensor(stop_ids, dtype=torch.long, device=device)

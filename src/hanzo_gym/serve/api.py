@@ -16,7 +16,7 @@ import torch
 
 from hanzo_gym.errors import GymError
 from hanzo_gym.renderers import RendererError
-from hanzo_gym.sampling import SampledSequence, SamplingParams
+from hanzo_gym.sampling import SampledSequence, SamplingParams, stop_lists
 from hanzo_gym.serve import responses
 from hanzo_gym.serve.models import ServedModels
 from hanzo_gym.serve.protocol import APIError, ChatRequest, CompletionRequest, Sampling
@@ -187,15 +187,6 @@ class Generation:
         return prompt, completion
 
 
-def _finish_reason(sequence: SampledSequence) -> str:
-    return "stop" if sequence.stop_reason == "stop" else "length"
-
-
-def _stops(stop_sequences: list[int] | list[str]) -> tuple[list[int], list[str]]:
-    ids = [s for s in stop_sequences if isinstance(s, int)]
-    return ids, [s for s in stop_sequences if isinstance(s, str)]
-
-
 # -- /v1/chat/completions ----------------------------------------------------------------------------------
 def chat(
     models: ServedModels, request: ChatRequest, client_gone: Callable[[], bool] | None = None
@@ -210,7 +201,7 @@ def chat(
         ) from None
     request.sampling.max_tokens = models.default_max_tokens(request.sampling.max_tokens)
     models.check_prompt(prompt, request.sampling.max_tokens)
-    stop_ids, renderer_strings = _stops(renderer.get_stop_sequences())
+    stop_ids, renderer_strings = stop_lists(renderer.get_stop_sequences())
     generation = Generation(
         models,
         adapter,
@@ -234,7 +225,7 @@ def chat(
                 *generation.token_view(sample, range(sample.tracker.visible_tokens()))
             )
         message = _chat_message(renderer, sample, sequence, generation.stop_strings)
-        choices.append(responses.chat_choice(index, message, _finish_reason(sequence), logprobs))
+        choices.append(responses.chat_choice(index, message, sequence.stop_reason, logprobs))
     return responses.chat_completion(responses.new_id("chatcmpl"), model, choices, *generation.usage(results))
 
 
@@ -290,7 +281,7 @@ def _chat_chunks(generation: Generation, model: str, request: ChatRequest) -> It
         chunk = delta_chunk(row, sample)
         if chunk is not None:
             yield chunk
-        yield responses.chat_chunk(id, model, created, row, {}, _finish_reason(sequence))
+        yield responses.chat_chunk(id, model, created, row, {}, sequence.stop_reason)
     if request.include_usage:
         prompt_tokens = len(generation.jobs[0].prompt)
         completion_tokens = sum(len(seq.tokens) for seq in results[0])
@@ -332,9 +323,7 @@ def complete(
             if request.logprobs is not None:
                 logprobs = _completion_logprobs(generation, sample, range(sample.tracker.visible_tokens()))
             index = p * request.sampling.n + j
-            choices.append(
-                responses.text_choice(index, sample.tracker.text, _finish_reason(sequence), logprobs)
-            )
+            choices.append(responses.text_choice(index, sample.tracker.text, sequence.stop_reason, logprobs))
     return responses.text_completion(responses.new_id("cmpl"), model, choices, *generation.usage(results))
 
 
@@ -379,7 +368,7 @@ def _completion_chunks(
             chunk = delta_chunk(job, r, done)
             if chunk is not None:
                 yield chunk
-            yield responses.text_chunk(id, model, created, job * n + r, "", _finish_reason(sequence))
+            yield responses.text_chunk(id, model, created, job * n + r, "", sequence.stop_reason)
     if request.include_usage:
         results = generation.results()
         prompt_tokens = sum(len(j.prompt) for j in generation.jobs)

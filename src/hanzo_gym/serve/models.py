@@ -59,7 +59,6 @@ class ServedModels:
         self._lock = threading.Lock()  # the adapter table; loading itself holds the host's lock
         config = host.model.config
         self.context_length: int | None = getattr(config, "max_position_embeddings", None)
-        self.vocab_size = host.model.get_output_embeddings().weight.shape[0]
         for adapter_name, path in (adapters or {}).items():
             self.load(adapter_name, path)
 
@@ -141,9 +140,9 @@ class ServedModels:
             raise APIError(
                 "the prompt is empty: it needs at least one token", param=param, code="invalid_value"
             )
-        if any(t >= self.vocab_size for t in tokens):
+        if any(t >= self.host.vocab_size for t in tokens):
             raise APIError(
-                f"token ids must be below the vocabulary size {self.vocab_size}",
+                f"token ids must be below the vocabulary size {self.host.vocab_size}",
                 param=param,
                 code="invalid_value",
             )

@@ -7,7 +7,6 @@ and is exactly one of: a sampler, an expression, or an LLM column (`text`, `code
 from __future__ import annotations
 
 import json
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -22,8 +21,6 @@ from hanzo_gym.synth.extract import ParseFailed, extract_code, extract_json_obje
 from hanzo_gym.synth.llm import CallFailed, ChatClient
 from hanzo_gym.synth.samplers import Sampler, SamplerError
 from hanzo_gym.synth.values import NotJSON, json_value
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_JUDGE_SYSTEM = "You are a strict, impartial judge. Score only against the rubric."
 

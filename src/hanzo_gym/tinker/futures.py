@@ -38,6 +38,3 @@ class OrderedWorker:
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> APIFuture[T]:
         return APIFuture(self._executor.submit(fn, *args, **kwargs))
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False)

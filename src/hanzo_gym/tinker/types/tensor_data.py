@@ -9,6 +9,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from hanzo_gym.errors import GymError
+
 DType = Literal["int64", "float32"]
 _TORCH = {"int64": torch.int64, "float32": torch.float32}
 _NUMPY = {"int64": np.int64, "float32": np.float32}
@@ -61,4 +63,4 @@ def _dtype_name(name: str) -> DType:
         return "int64"
     if name.startswith(("float", "bfloat")):
         return "float32"
-    raise TypeError(f"TensorData holds integers or floats, not {name}")
+    raise GymError(f"TensorData holds integers or floats, not {name}")
