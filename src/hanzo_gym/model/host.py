@@ -22,8 +22,9 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from hanzo_gym.engine import Engine
-from hanzo_gym.errors import ModelError
-from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, pick_device_and_dtype
+from hanzo_gym.errors import GymError, ModelError
+from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, model_key, pick_device_and_dtype
+from hanzo_gym.model.lora import linear_layer_paths
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -51,6 +52,14 @@ class ModelHost:
     def vocab_size(self) -> int:
         return self.model.get_input_embeddings().weight.shape[0]
 
+    def check_token_ids(self, tokens: list, what: str) -> None:
+        """GymError naming `what` unless every token is an id of this model's vocabulary (an id out of range
+        would crash the embedding lookup, on CUDA for the whole process)."""
+        vocab = self.vocab_size
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise GymError(f"{what} holds {bad[0]!r}, not a token id of this model (0 ≤ id < {vocab})")
+
     @property
     def adapters(self) -> list[str]:
         return list(self.model.peft_config) if isinstance(self.model, PeftModel) else []
@@ -73,9 +82,7 @@ class ModelHost:
             except ValueError as exc:
                 raise ModelError(f"cannot attach LoRA to {self.base_model}: {exc}") from None
             # A local base is recorded by its absolute path: the adapter then loads from any working directory.
-            local = Path(self.base_model).expanduser()
-            recorded = str(local.resolve()) if local.exists() else self.base_model
-            self.model.peft_config[name].base_model_name_or_path = recorded
+            self.model.peft_config[name].base_model_name_or_path = model_key(self.base_model)
             self.scorer.model = self.model
             self.activate(name)
 
@@ -151,19 +158,6 @@ class ModelHost:
             elif name in self.adapters:
                 # peft cannot delete the last adapter: zero it so that nothing of it is left to use.
                 self.set_weights(name, {k: torch.zeros_like(v) for k, v in self.weights(name).items()})
-
-
-def linear_layer_paths(model: torch.nn.Module) -> dict[str, str]:
-    """Module path → short name of every linear layer but the output projection, read before any adapter
-    wraps them."""
-    from transformers.pytorch_utils import Conv1D
-
-    output = model.get_output_embeddings()
-    return {
-        path: path.rsplit(".", 1)[-1]
-        for path, module in model.named_modules()
-        if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not output
-    }
 
 
 def read_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:

@@ -159,6 +159,12 @@ def _keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def model_key(base_model: str) -> str:
+    """A local model by its absolute path (the same from any working directory), a hub id as it is."""
+    local = Path(base_model).expanduser()
+    return str(local.resolve()) if local.exists() else base_model
+
+
 def four_bit_config(compute_dtype: torch.dtype) -> transformers.BitsAndBytesConfig:
     try:
         import bitsandbytes  # noqa: F401 - only to say clearly that it is missing

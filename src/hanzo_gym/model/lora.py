@@ -52,13 +52,18 @@ def linear_module_names(model: PreTrainedModel) -> list[str]:
     peft's own "all-linear" writes full module paths into adapter_config.json; short names are what users
     and serving stacks expect there.
     """
+    return sorted(set(linear_layer_paths(model).values()))
+
+
+def linear_layer_paths(model: torch.nn.Module) -> dict[str, str]:
+    """Module path → short name of every linear layer but the output projection, read before any adapter
+    wraps them."""
     output = model.get_output_embeddings()
-    names = {
-        name.rsplit(".", 1)[-1]
-        for name, module in model.named_modules()
+    return {
+        path: path.rsplit(".", 1)[-1]
+        for path, module in model.named_modules()
         if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not output
     }
-    return sorted(names)
 
 
 def save_adapter(model: PeftModel, directory: str | Path) -> None:

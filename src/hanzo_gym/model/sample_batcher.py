@@ -67,10 +67,7 @@ class SampleBatcher:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise GymError(f"num_samples must be a positive integer (got {num_samples!r})")
         tokens = list(prompt)
-        vocab = self.host.vocab_size
-        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise GymError(f"prompt token {bad[0]!r} is not a token id of this model (0 ≤ id < {vocab})")
+        self.host.check_token_ids(tokens, "the prompt")
         future: concurrent.futures.Future = concurrent.futures.Future()
         request = _Request(adapter, tokens, num_samples, params, future, on_token, owner, cancel)
         with self._wakeup:

@@ -42,7 +42,7 @@ class SamplingClient:
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
     ) -> APIFuture[SampleResponse]:
-        tokens = _prompt_tokens(prompt, self._host.vocab_size)
+        tokens = _prompt_tokens(prompt, self._host)
         if num_samples < 1:
             raise GymError(f"num_samples must be at least 1 (got {num_samples})")
         sequences = self._batcher.submit(self._adapter, tokens, num_samples, sampling_params, owner=self)
@@ -65,7 +65,7 @@ class SamplingClient:
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """log p(token_i | tokens before i) for every prompt token; element 0 is None (nothing precedes it)."""
-        tokens = _prompt_tokens(prompt, self._host.vocab_size)
+        tokens = _prompt_tokens(prompt, self._host)
         return self._scoring.submit(lambda: self._prompt_scores(tokens, True, 0)[0])
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
@@ -108,7 +108,7 @@ class SamplingClient:
         return prompt_logprobs, topk_lists
 
 
-def _prompt_tokens(prompt: ModelInput, vocab: int) -> list[int]:
+def _prompt_tokens(prompt: ModelInput, host: ModelHost) -> list[int]:
     if not isinstance(prompt, ModelInput):
         raise GymError(
             f"prompt must be a ModelInput (ModelInput.from_ints(tokens)), not {type(prompt).__name__}"
@@ -116,9 +116,7 @@ def _prompt_tokens(prompt: ModelInput, vocab: int) -> list[int]:
     tokens = prompt.to_ints()
     if not tokens:
         raise GymError("the prompt is empty: sampling needs at least one token")
-    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise GymError(f"prompt token {bad[0]!r} is not a token id of this model (0 ≤ id < {vocab})")
+    host.check_token_ids(tokens, "the prompt")
     return tokens
 
 

@@ -14,6 +14,7 @@ from peft import LoraConfig
 
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.host import ModelHost, read_adapter
+from hanzo_gym.model.hub import model_key
 from hanzo_gym.model.sample_batcher import SampleBatcher
 from hanzo_gym.tinker import paths
 from hanzo_gym.tinker.sampling_client import SamplingClient
@@ -140,7 +141,7 @@ class ServiceClient:
 
     # -- internals -----------------------------------------------------------------------------------------
     def _host(self, base_model: str) -> tuple[ModelHost, SampleBatcher]:
-        key = _model_key(base_model)
+        key = model_key(base_model)
         with self._lock:
             if key not in self._hosts:
                 host = ModelHost(base_model, self._device, self._dtype)
@@ -180,11 +181,6 @@ class ServiceClient:
 def _in_attention(path: str) -> bool:
     parent = path.rsplit(".", 2)[-2] if path.count(".") >= 1 else ""
     return any(marker in parent for marker in _ATTENTION_PARENTS)
-
-
-def _model_key(base_model: str) -> str:
-    local = Path(base_model).expanduser()
-    return str(local.resolve()) if local.exists() else base_model
 
 
 def _base_of(config: LoraConfig, path: str) -> str:

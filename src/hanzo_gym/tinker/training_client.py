@@ -184,16 +184,13 @@ class TrainingClient:
         if unknown:
             allowed = ", ".join(CONFIG_KEYS[loss_fn]) or "none"
             raise GymError(f"loss_fn_config for `{loss_fn}` has unknown keys {unknown}; it takes: {allowed}")
-        vocab = self._host.vocab_size
         datums = []
         for index, datum in enumerate(data):
             if not isinstance(datum, Datum):
                 raise GymError(f"datum {index} is a {type(datum).__name__}; build it with types.Datum(...)")
             converted = datum.to_engine(index)
             for what, ids in (("model_input", converted.model_input), ("target_tokens", _targets(converted))):
-                bad = [t for t in ids if not 0 <= t < vocab]
-                if bad:
-                    raise GymError(f"datum {index}: {what} holds {bad[0]}, not a token id (0 ≤ id < {vocab})")
+                self._host.check_token_ids(list(ids), f"datum {index}: {what}")
             datums.append(converted)
         if need_weights and datums:
             check_loss_inputs(datums, loss_fn)
