@@ -164,7 +164,7 @@ def _parse_number(name: str, raw: str, kind: type, problems: _Problems) -> int |
     return value
 
 
-def _method(env: dict[str, str], problems: _Problems) -> bool:
+def _is_qlora(env: dict[str, str], problems: _Problems) -> bool:
     """Whether the job is QLoRA (a LoRA adapter on a 4-bit base): METHOD=qlora or QUANT_4BIT=true."""
     # Unset means lora: the runtime that runs this image sets METHOD, and plain LoRA needs no bitsandbytes.
     raw = env.get("METHOD", "lora")
@@ -182,7 +182,7 @@ def _method(env: dict[str, str], problems: _Problems) -> bool:
             f"METHOD={raw} with QUANT_4BIT={env['QUANT_4BIT']}: QLoRA is a 4-bit base; send QUANT_4BIT=true "
             "(or leave it unset), or METHOD=lora"
         )
-    return bool(four_bit) or method == "qlora"
+    return four_bit
 
 
 def _base_model(env: dict[str, str], problems: _Problems) -> tuple[str | None, str | None]:
@@ -292,7 +292,7 @@ def trainjob_from_env(environ: Mapping[str, str]) -> TrainJob:
     """The TrainJob that these environment variables describe; ConfigError lists every problem."""
     env = read_env(environ)
     problems = _Problems()
-    qlora = _method(env, problems)
+    qlora = _is_qlora(env, problems)
     checkpointing = _parse_bool("GRADIENT_CHECKPOINTING", env.get("GRADIENT_CHECKPOINTING"), False, problems)
     task = env.get("TASK")
     if task is None:

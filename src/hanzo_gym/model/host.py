@@ -35,7 +35,7 @@ class ModelHost:
         auto_device, auto_dtype = pick_device_and_dtype()
         self.base_model = base_model
         self.tokenizer = load_tokenizer(base_model)
-        self.model = load_causal_lm(base_model, dtype or auto_dtype).to(device or auto_device)
+        self.model = load_causal_lm(base_model, dtype or auto_dtype, device=device or auto_device)
         self.model.requires_grad_(False)
         self.linear_layers = linear_layer_paths(self.model)
         self.lock = threading.RLock()

@@ -133,7 +133,7 @@ def load_causal_lm(
     _check_causal_lm_architecture(base_model, model_dir)
     placement: dict = {}
     if load_in_4bit:
-        placement = {"quantization_config": four_bit_config(dtype)}
+        placement = {"quantization_config": _four_bit_config(dtype)}
         if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
             placement["device_map"] = {"": str(device)}
     try:
@@ -165,7 +165,7 @@ def model_key(base_model: str) -> str:
     return str(local.resolve()) if local.exists() else base_model
 
 
-def four_bit_config(compute_dtype: torch.dtype) -> transformers.BitsAndBytesConfig:
+def _four_bit_config(compute_dtype: torch.dtype) -> transformers.BitsAndBytesConfig:
     try:
         import bitsandbytes  # noqa: F401 - only to say clearly that it is missing
     except ImportError:

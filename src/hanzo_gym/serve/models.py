@@ -24,15 +24,9 @@ class ServedAdapter:
 
 def default_renderer_name(host: ModelHost) -> str:
     """Tinker's renderer for the model, else the tokenizer's own chat template (what `model_info` picks)."""
-    from hanzo_gym.renderers import get_recommended_renderer_name
-    from hanzo_gym.renderers.jinja import tokenizer_template
+    from hanzo_gym.cookbook.model_info import get_recommended_renderer_name
 
-    try:
-        return get_recommended_renderer_name(host.base_model)
-    except RendererError:
-        if tokenizer_template(host.tokenizer) is None:
-            raise
-        return "chat_template"
+    return get_recommended_renderer_name(host.base_model, host.tokenizer)
 
 
 class ServedModels:
@@ -107,8 +101,7 @@ class ServedModels:
         except Exception as exc:  # noqa: BLE001 - whatever the folder holds, the answer is a 400
             with self._lock:
                 del self._adapters[name]
-            if adapter.slot in self.host.adapters:
-                self.host.retire(adapter.slot)
+            self.host.retire(adapter.slot)
             raise APIError(
                 f"cannot load adapter `{name}` from {path}: {exc}", param="lora_path", code="invalid_value"
             ) from None
