@@ -26,12 +26,17 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """`path` holds the old text or the new one, never a part: written aside, synced, renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError, ModelError
 from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, model_key, pick_device_and_dtype
-from hanzo_gym.model.lora import linear_layer_paths
+from hanzo_gym.model.lora import linear_layer_paths, set_adapter_weights
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -94,14 +94,8 @@ class ModelHost:
             self.set_weights(name, weights)
 
     def set_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
-        with self.lock, torch.no_grad():
-            moved = {k: v.to(self.device) for k, v in weights.items()}
-            result = set_peft_model_state_dict(self.model, moved, adapter_name=name)
-            unexpected = getattr(result, "unexpected_keys", [])
-            if unexpected:
-                raise ModelError(
-                    f"adapter weights do not match adapter `{name}` (unexpected {unexpected[:3]})"
-                )
+        with self.lock:
+            set_adapter_weights(self.model, weights, adapter_name=name)
 
     def weights(self, name: str) -> dict[str, torch.Tensor]:
         """A CPU copy of adapter `name`'s weights, keyed as in adapter_model.safetensors."""

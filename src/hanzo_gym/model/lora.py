@@ -76,16 +76,28 @@ def save_adapter(model: PeftModel, directory: str | Path) -> None:
 
 def load_adapter_weights(model: PeftModel, directory: str | Path) -> None:
     """Load saved adapter weights into an already-attached adapter (same rank and targets)."""
-    from peft.utils import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     path = Path(directory) / "adapter_model.safetensors"
     if not path.is_file():
         raise ModelError(f"{path} does not exist: not a PEFT adapter directory")
-    result = set_peft_model_state_dict(model, load_file(str(path), device=str(model.device)))
-    if result.unexpected_keys:
+    set_adapter_weights(model, load_file(str(path)), source=str(path))
+
+
+def set_adapter_weights(
+    model: PeftModel, weights: dict[str, torch.Tensor], adapter_name: str = "default", source: str = "weights"
+) -> None:
+    """Weights keyed as in adapter_model.safetensors into adapter `adapter_name`; keys it lacks are an error."""
+    from peft.utils import set_peft_model_state_dict
+
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        moved = {key: value.to(device) for key, value in weights.items()}
+        result = set_peft_model_state_dict(model, moved, adapter_name=adapter_name)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
         raise ModelError(
-            f"{path}: adapter does not match this model (unexpected {result.unexpected_keys[:3]})"
+            f"{source}: do not match adapter `{adapter_name}` of this model (unexpected {unexpected[:3]})"
         )
 
 

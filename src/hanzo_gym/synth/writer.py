@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hanzo_gym.errors import ConfigError, DataError
+from hanzo_gym.rundir import atomic_write_text
 from hanzo_gym.synth.values import row_json
 
 STATE_VERSION = 1
@@ -27,17 +28,6 @@ STATE_VERSION = 1
 
 def checkpoint_dir(output: Path) -> Path:
     return output.parent / f".{output.name}.synth"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class RowSink:
@@ -126,7 +116,7 @@ class RowSink:
             "bytes": self._bytes,
             "stats": stats,
         }
-        _atomic_write(self.state_path, json.dumps(state, indent=1))
+        atomic_write_text(self.state_path, json.dumps(state, indent=1))
 
     def close(self) -> None:
         self._handle.close()
