@@ -7,6 +7,7 @@ import copy
 import datetime
 
 import pytest
+from renderer_layout import assert_layout, text, thought, trained_text, user
 
 from hanzo_gym.renderers import ParseTermination, RendererError, TrainOnWhat, get_renderer
 from hanzo_gym.renderers.gpt_oss import GptOssRenderer
@@ -44,30 +45,6 @@ def tokenizer(qwen3_tokenizer):
 @pytest.fixture(scope="module")
 def harmony(tokenizer):
     return GptOssRenderer(tokenizer)  # gpt_oss_no_sysprompt
-
-
-def text(tokenizer, tokens) -> str:
-    return tokenizer.decode(list(tokens), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def assert_layout(tokenizer, tokens, expected: str) -> None:
-    assert text(tokenizer, tokens) == expected
-    assert list(tokens) == tokenizer.encode(expected, add_special_tokens=False)
-
-
-def trained_text(renderer, messages, mode) -> str:
-    model_input, weights = renderer.build_supervised_example(messages, mode)
-    tokens = model_input.to_ints()
-    assert len(weights) == len(tokens)
-    return text(renderer.tokenizer, [t for t, w in zip(tokens, weights.tolist()) if w == 1.0])
-
-
-def thought(reasoning: str, answer: str) -> list[dict]:
-    return [{"type": "thinking", "thinking": reasoning}, {"type": "text", "text": answer}]
-
-
-def user(content: str) -> dict:
-    return {"role": "user", "content": content}
 
 
 CHAT = [

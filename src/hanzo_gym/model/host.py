@@ -142,7 +142,8 @@ class ModelHost:
                 yield self.model
 
     def _drop_retired(self) -> None:
-        while self._retired:
+        kept = []
+        while self._retired:  # pop, not iterate: retire() may append from another thread meanwhile
             name = self._retired.pop()
             if name in self.adapters and len(self.adapters) > 1:
                 with warnings.catch_warnings():
@@ -150,8 +151,8 @@ class ModelHost:
                     warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
                     self.model.delete_adapter(name)
             elif name in self.adapters:
-                # peft cannot delete the last adapter: zero it so that nothing of it is left to use.
-                self.set_weights(name, {k: torch.zeros_like(v) for k, v in self.weights(name).items()})
+                kept.append(name)  # peft cannot delete the last adapter: it goes once another one exists
+        self._retired.extend(kept)
 
 
 def read_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
