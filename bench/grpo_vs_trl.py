@@ -158,10 +158,10 @@ def run_ours(
 
     from hanzo_gym.config import parse_config
     from hanzo_gym.data.prompts import load_prompts
-    from hanzo_gym.grpo import train_grpo
+    from hanzo_gym.loops.grpo import train_grpo
     from hanzo_gym.model.hub import load_tokenizer
-    from hanzo_gym.rundir import RunDir
-    from hanzo_gym.train import build_engine
+    from hanzo_gym.loops.run_dir import RunDir
+    from hanzo_gym.loops.train import build_engine
 
     cfg = parse_config(
         {
@@ -194,7 +194,7 @@ def run_ours(
             },
         }
     )
-    # The same steps as `gym train` (hanzo_gym.train.run_training), split so that the load's RSS is seen.
+    # The same steps as `gym train` (hanzo_gym.loops.train.run_training), split so that the load's RSS is seen.
     tokenizer = load_tokenizer(cfg.base_model)
     train = load_prompts(cfg, tokenizer).train
     engine = build_engine(cfg, torch.device("cpu"), torch.float32, tokenizer)

@@ -1,8 +1,8 @@
 import pytest
 
 from hanzo_gym.config import load_config, parse_config
+from hanzo_gym.config.yaml_source import load_yaml
 from hanzo_gym.errors import ConfigError
-from hanzo_gym.yaml_source import load_yaml
 
 BASE = """\
 base_model: Qwen/Qwen3-0.6B

@@ -28,12 +28,12 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hanzo_gym import checkpoint, distributed
 from hanzo_gym.cli import main
-from hanzo_gym.engine import Engine
+from hanzo_gym.cli.trainjob import VARIABLES
+from hanzo_gym.engine import Engine, distributed
 from hanzo_gym.errors import GymError
-from hanzo_gym.rundir import TRAINER_STATE, RunDir
-from hanzo_gym.trainjob import VARIABLES
+from hanzo_gym.loops import checkpoint
+from hanzo_gym.loops.run_dir import TRAINER_STATE, RunDir
 
 BIN = Path(sys.executable).parent
 
@@ -43,8 +43,8 @@ BIN = Path(sys.executable).parent
 PER_PROMPT_SEEDS = """
 import dataclasses, zlib
 from hanzo_gym import engine as _engine
-from hanzo_gym.distributed import rank as _rank
-from hanzo_gym.grpo import RANK_SEED_STRIDE as _STRIDE
+from hanzo_gym.engine.distributed import rank as _rank
+from hanzo_gym.loops.grpo import RANK_SEED_STRIDE as _STRIDE
 
 _original = _engine.Engine.sample
 

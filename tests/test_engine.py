@@ -3,10 +3,11 @@ import torch
 import torch.nn.functional as F
 from tiny_models import VOCAB, tiny_model
 
-from hanzo_gym.engine import AdamParams, Datum, Engine
+from hanzo_gym.engine import Engine
+from hanzo_gym.engine.token_logprobs import token_logprobs
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.lora import attach_lora
-from hanzo_gym.token_logprobs import token_logprobs
+from hanzo_gym.records import AdamParams, Datum, ModelInput
 
 
 def _lora(kind="llama", dropout=0.0):
@@ -24,7 +25,7 @@ def _lora(kind="llama", dropout=0.0):
 
 def _datum(tokens, weights=None):
     weights = weights if weights is not None else [1.0] * (len(tokens) - 1)
-    return Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights})
+    return Datum(ModelInput.from_ints(tokens[:-1]), {"target_tokens": tokens[1:], "weights": weights})
 
 
 def _reference_logprobs(model, tokens):
@@ -143,11 +144,15 @@ def test_optim_step_matches_torch_adamw_with_clipping():
 def test_bad_datums_are_named():
     engine = Engine(_lora())
     with pytest.raises(GymError, match="needs loss_fn_inputs\\[`weights`\\]"):
-        engine.forward_backward([Datum([1, 2], {"target_tokens": [2, 3]})])
+        engine.forward_backward([Datum(ModelInput.from_ints([1, 2]), {"target_tokens": [2, 3]})])
     with pytest.raises(GymError, match="unknown loss_fn"):
         engine.forward_backward([_datum([1, 2, 3])], loss_fn="nope")
-    with pytest.raises(GymError, match="expected \\(2,\\)"):
-        engine.forward_backward([Datum([1, 2], {"target_tokens": [2, 3], "weights": [1.0]})])
+    with pytest.raises(
+        GymError, match="datum 0: loss_fn_inputs\\[`weights`\\] has shape \\(1,\\), but model_input has 2"
+    ):
+        engine.forward_backward(
+            [Datum(ModelInput.from_ints([1, 2]), {"target_tokens": [2, 3], "weights": [1.0]})]
+        )
 
 
 def test_passes_split_by_token_budget_and_accumulate_the_same_gradient():
@@ -227,9 +232,9 @@ def test_datums_sharing_a_prompt_score_and_train_as_if_alone(kind):
     datums = [_datum(s, w) for s, w in zip(seqs, weights)]
 
     shared = Engine(_lora(kind), max_tokens_per_pass=10_000)
-    from hanzo_gym.prefix_sharing import shared_layout
+    from hanzo_gym.engine.prefix_sharing import shared_layout
 
-    layout = shared_layout([d.model_input for d in datums], torch.device("cpu"))
+    layout = shared_layout([d.model_input.to_ints() for d in datums], torch.device("cpu"))
     assert layout is not None and len(layout.tokens) == 20 + 5 + 9 + 1 + 18 + 7 + 4 - 5  # each prompt once
     out = shared.forward_backward(datums)
     shared_grads = [p.grad.clone() for p in shared.trainable]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hanzo_gym.losses import LOSS_FNS
+from hanzo_gym.engine.losses import LOSS_FNS
 
 LP = [-0.5, -1.2, -0.1, -2.0, -0.7]
 Q = [-0.6, -1.0, -0.1, -1.0, -900.0]  # the last position is a prompt token with a wild sampler value

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from hanzo_gym.cli import main
 from hanzo_gym.config import parse_config
-from hanzo_gym.engine import Datum
-from hanzo_gym.sampling import SamplingParams, sample_groups
-from hanzo_gym.train import build_engine
+from hanzo_gym.engine.sampling import sample_groups
+from hanzo_gym.loops.train import build_engine
+from hanzo_gym.records import Datum, ModelInput, SamplingParams
 
 WIDE = {"hidden_size": 64, "intermediate_size": 128}
 
@@ -106,7 +106,7 @@ def test_a_4bit_model_samples_what_it_scores(tmp_path, wide_base, chats, word_to
     [group] = sample_groups(engine.model, word_tokenizer, [prompt], 3, SamplingParams(max_tokens=5, seed=0))
     for sequence in group:
         full = prompt + sequence.tokens
-        [recomputed] = engine.forward([Datum(full[:-1], {"target_tokens": full[1:]})])
+        [recomputed] = engine.forward([Datum(ModelInput.from_ints(full[:-1]), {"target_tokens": full[1:]})])
         torch.testing.assert_close(
             recomputed[-len(sequence.tokens) :], torch.tensor(sequence.logprobs), rtol=1e-3, atol=1e-3
         )
@@ -138,8 +138,11 @@ def test_qlora_gradients_equal_those_of_the_dequantized_model(tmp_path, wide_bas
                     parameter.normal_(0, 0.2)
                 mine[name].copy_(parameter)
     data = [
-        Datum([1, 8, 9, 12, 13, 14], {"target_tokens": [8, 9, 12, 13, 14, 2], "weights": [1.0] * 6}),
-        Datum([20, 21, 22], {"target_tokens": [21, 22, 2], "weights": [1.0] * 3}),
+        Datum(
+            ModelInput.from_ints([1, 8, 9, 12, 13, 14]),
+            {"target_tokens": [8, 9, 12, 13, 14, 2], "weights": [1.0] * 6},
+        ),
+        Datum(ModelInput.from_ints([20, 21, 22]), {"target_tokens": [21, 22, 2], "weights": [1.0] * 3}),
     ]
     got, want = (
         quantized.forward_backward(data, "cross_entropy"),
@@ -158,7 +161,7 @@ def test_qlora_gradients_equal_those_of_the_dequantized_model(tmp_path, wide_bas
 def test_trainjob_with_method_qlora_writes_a_full_precision_merged_model(
     tmp_path, wide_base, chats, monkeypatch
 ):
-    from hanzo_gym.trainjob import VARIABLES
+    from hanzo_gym.cli.trainjob import VARIABLES
 
     for name in VARIABLES:
         monkeypatch.delenv(name, raising=False)

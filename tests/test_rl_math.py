@@ -3,7 +3,13 @@ import math
 import pytest
 import torch
 
-from hanzo_gym.rl_math import group_advantages, is_constant, loss_type_weights, rl_datum, sample_train_metrics
+from hanzo_gym.loops.rl_math import (
+    group_advantages,
+    is_constant,
+    loss_type_weights,
+    rl_datum,
+    sample_train_metrics,
+)
 
 
 def test_group_advantages_are_centred_and_scaled_by_the_group_std():
@@ -43,11 +49,11 @@ def test_loss_type_weights_reproduce_trl_aggregations():
 
 def test_rl_datum_aligns_completion_inputs_with_targets():
     datum = rl_datum([10, 11, 12], [20, 21], [-0.5, -0.25], 0.3)
-    assert datum.model_input == [10, 11, 12, 20]
-    inputs = datum.loss_fn_inputs
+    assert datum.model_input.to_ints() == [10, 11, 12, 20]
+    inputs = {key: value.tolist() for key, value in datum.loss_fn_inputs.items()}
     assert inputs["target_tokens"] == [11, 12, 20, 21]
     assert inputs["logprobs"] == [0.0, 0.0, -0.5, -0.25]
-    assert inputs["advantages"] == [0.0, 0.0, 0.3, 0.3]
+    assert inputs["advantages"] == pytest.approx([0.0, 0.0, 0.3, 0.3])
 
 
 def test_sample_train_metrics():

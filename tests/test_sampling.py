@@ -3,9 +3,10 @@ import torch
 from peft.tuners.lora import LoraLayer
 from tiny_models import tiny_model
 
-from hanzo_gym.engine import Datum, Engine
+from hanzo_gym.engine import Engine
+from hanzo_gym.engine.sampling import sample_groups
 from hanzo_gym.model.lora import attach_lora
-from hanzo_gym.sampling import SamplingParams, sample_groups
+from hanzo_gym.records import Datum, ModelInput, SamplingParams
 
 
 @pytest.fixture(params=["llama", "qwen3"])
@@ -53,7 +54,7 @@ def test_sampled_logprobs_equal_recomputed_logprobs(policy, word_tokenizer):
     for prompt, group in zip(PROMPTS, groups):
         for sequence in group:
             full = prompt + sequence.tokens
-            datums.append(Datum(full[:-1], {"target_tokens": full[1:]}))
+            datums.append(Datum(ModelInput.from_ints(full[:-1]), {"target_tokens": full[1:]}))
             expected.append(sequence.logprobs)
     for datum, logprobs, want in zip(datums, engine.forward(datums), expected):
         torch.testing.assert_close(logprobs[-len(want) :], torch.tensor(want), rtol=1e-4, atol=1e-4)

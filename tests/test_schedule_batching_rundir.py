@@ -2,11 +2,12 @@ import json
 
 import pytest
 
-from hanzo_gym import rundir
+from hanzo_gym import files as rundir
 from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
 from hanzo_gym.data.example import IGNORE_INDEX, Example
-from hanzo_gym.rundir import RunDir, publish_directory, publish_files_into
-from hanzo_gym.schedule import lr_at
+from hanzo_gym.files import publish_directory, publish_files_into
+from hanzo_gym.loops.run_dir import RunDir
+from hanzo_gym.loops.schedule import lr_at
 
 
 def test_warmup_then_cosine():
@@ -40,8 +41,9 @@ def test_micro_batches_without_and_with_packing():
 def test_supervised_datum_shifts_labels():
     example = Example([10, 11, 12, 13], [IGNORE_INDEX, IGNORE_INDEX, 12, 13])
     datum = supervised_datum(example, 0.5)
-    assert datum.model_input == [10, 11, 12]
-    assert datum.loss_fn_inputs == {"target_tokens": [11, 12, 13], "weights": [0.0, 0.5, 0.5]}
+    assert datum.model_input.to_ints() == [10, 11, 12]
+    inputs = {key: value.tolist() for key, value in datum.loss_fn_inputs.items()}
+    assert inputs == {"target_tokens": [11, 12, 13], "weights": [0.0, 0.5, 0.5]}
 
 
 def test_publish_directory_is_all_or_nothing(tmp_path):

@@ -17,8 +17,8 @@ import pytest
 
 from hanzo_gym import tinker
 from hanzo_gym.cli import main
-from hanzo_gym.model import sample_batcher
-from hanzo_gym.model.host import ModelHost
+from hanzo_gym.host import sample_batcher
+from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.renderers import get_renderer
 from hanzo_gym.serve import ServedModels, Server
 from hanzo_gym.tinker import types

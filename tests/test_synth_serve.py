@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from hanzo_gym.cli import main
-from hanzo_gym.model.host import ModelHost
+from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.serve import ServedModels, Server
 
 

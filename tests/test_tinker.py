@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from hanzo_gym import tinker
 from hanzo_gym.errors import GymError
-from hanzo_gym.model import sample_batcher
+from hanzo_gym.host import sample_batcher
 from hanzo_gym.tinker import types
 from hanzo_gym.tinker.paths import resolve
 from hanzo_gym.tinker.types.tensor_data import TensorData

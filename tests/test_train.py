@@ -8,9 +8,10 @@ import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from hanzo_gym import checkpoint as checkpoint_module
 from hanzo_gym.cli import main
-from hanzo_gym.engine import Datum, Engine
+from hanzo_gym.engine import Engine
+from hanzo_gym.loops import checkpoint as checkpoint_module
+from hanzo_gym.records import Datum, ModelInput
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_adapter_loads_in_peft_with_the_same_logits_and_merge_matches(tmp_path, 
     trainable = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tiny_base), str(run), is_trainable=True
     )
-    ours = Engine(trainable).forward([Datum(ids[:-1], {"target_tokens": ids[1:]})])[0]
+    ours = Engine(trainable).forward([Datum(ModelInput.from_ints(ids[:-1]), {"target_tokens": ids[1:]})])[0]
     theirs = adapted_logits[0, :-1].log_softmax(-1).gather(1, tokens[0, 1:, None]).squeeze(1)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
@@ -166,13 +167,13 @@ def test_crash_while_writing_a_checkpoint_leaves_only_trusted_ones(
             raise KeyboardInterrupt  # the process is killed mid-write
         real_write(directory, engine, position)
 
-    monkeypatch.setattr("hanzo_gym.sft.write_checkpoint", write_then_die)
+    monkeypatch.setattr("hanzo_gym.loops.tail.write_checkpoint", write_then_die)
     assert main(["train", str(path)]) == 130
     run = tmp_path / "run"
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-3"]
     assert not [p for p in run.iterdir() if p.name.startswith(".")]
 
-    monkeypatch.setattr("hanzo_gym.sft.write_checkpoint", real_write)
+    monkeypatch.setattr("hanzo_gym.loops.tail.write_checkpoint", real_write)
     assert main(["train", str(path)]) == 0  # resume_from_checkpoint: true picks checkpoint-3
     assert sorted(_train_losses(run)) == list(range(1, 11))
     assert (run / "checkpoint-9").is_dir()
@@ -309,7 +310,7 @@ def test_holding_out_everything_is_named(tmp_path, tiny_base, chat_data, capsys)
 
 def test_gradient_checkpointing_is_really_on(tmp_path, tiny_base, chat_data):
     from hanzo_gym.config import load_config
-    from hanzo_gym.train import build_engine
+    from hanzo_gym.loops.train import build_engine
 
     path, _ = _config(tmp_path, tiny_base, chat_data, gradient_checkpointing=True)
     engine = build_engine(load_config(path), torch.device("cpu"), torch.float32)

@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from hanzo_gym.cli import main
+from hanzo_gym.cli.trainjob import dataset_files, trainjob_from_env
 from hanzo_gym.config import LORA_LINEAR_TARGETS, parse_config
 from hanzo_gym.errors import ConfigError
-from hanzo_gym.trainjob import dataset_files, trainjob_from_env
 
 CHAT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hanzo_gym.cli import main
-from hanzo_gym.trainjob import VARIABLES, _publish_merged, trainjob_from_env
+from hanzo_gym.cli.trainjob import VARIABLES, _publish_merged, trainjob_from_env
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RUNTIME = DEPLOY / "kubeflow" / "clustertrainingruntime.yaml"
@@ -206,7 +206,7 @@ def test_a_crash_while_writing_the_merged_model_leaves_nothing_half_written(tmp_
             (Path(directory) / "model.safetensors").write_bytes(b"half")
             raise KeyboardInterrupt  # the pod is killed mid-write
 
-    monkeypatch.setattr("hanzo_gym.merge.merged_from", lambda cfg, adapter: (Dies(), Dies()))
+    monkeypatch.setattr("hanzo_gym.cli.merge.merged_from", lambda cfg, adapter: (Dies(), Dies()))
     with pytest.raises(KeyboardInterrupt):
         _publish_merged(job)
     assert list(job.output_dir.iterdir()) == []

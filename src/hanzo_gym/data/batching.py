@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from hanzo_gym.data.example import IGNORE_INDEX, Example
-from hanzo_gym.engine import Datum
+from hanzo_gym.records import Datum, ModelInput
 
 
 def epoch_order(n_examples: int, seed: int, epoch: int) -> list[int]:
@@ -45,7 +45,7 @@ def micro_batches(
 def supervised_datum(example: Example, weight_per_token: float) -> Datum:
     """Next-token datum: input tokens 0..T-2 predict tokens 1..T-1; trained targets carry `weight_per_token`."""
     return Datum(
-        model_input=example.input_ids[:-1],
+        model_input=ModelInput.from_ints(example.input_ids[:-1]),
         loss_fn_inputs={
             "target_tokens": example.input_ids[1:],
             "weights": [0.0 if label == IGNORE_INDEX else weight_per_token for label in example.labels[1:]],

@@ -8,11 +8,14 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.renderers import Renderer, RendererError, get_renderer, renderer_names
 from hanzo_gym.renderers.jinja import JinjaRenderer, tokenizer_template
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # A plain ChatML Jinja template, for tokenizers that should carry one of their own.
 CHATML = (

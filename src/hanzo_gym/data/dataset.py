@@ -7,14 +7,16 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext, row_to_example
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass

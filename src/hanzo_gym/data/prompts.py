@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.data.chat_templates import resolve_renderer
@@ -15,6 +14,9 @@ from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import chat_messages
 from hanzo_gym.errors import DataError
 from hanzo_gym.renderers import Renderer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass

@@ -37,6 +37,7 @@ from huggingface_hub.errors import (
 )
 
 from hanzo_gym.errors import DataError
+from hanzo_gym.launch import is_launched_main
 
 logger = logging.getLogger(__name__)
 
@@ -205,9 +206,7 @@ def describe_selection(where: str, split_name: str, chosen: list[str], skipped: 
 
 def _report_selection(where: str, split_name: str, chosen: list[str], skipped: list[str]) -> None:
     """Print the file selection of a folder or hub dataset (rank 0 alone under torchrun)."""
-    from hanzo_gym.distributed import is_main
-
-    if is_main():
+    if is_launched_main():
         message = describe_selection(where, split_name, chosen, skipped)
         if skipped:
             message += " (list the files in data_files to choose them yourself)"

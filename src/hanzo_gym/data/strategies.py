@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
-
 from hanzo_gym.config import DatasetConfig
 from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.example import IGNORE_INDEX, Example
@@ -23,6 +21,8 @@ from hanzo_gym.errors import ConfigError, DataError
 from hanzo_gym.renderers.base import Renderer, RendererError, axolotl_labels, axolotl_trained
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from hanzo_gym.data.sources import Row
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -66,22 +67,52 @@ def linear_layer_paths(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
-def save_adapter(model: PeftModel, directory: str | Path) -> None:
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_weights(model: PeftModel, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """A CPU copy of adapter `adapter_name`'s weights, keyed as in adapter_model.safetensors."""
+    from peft.utils import get_peft_model_state_dict
+
     with warnings.catch_warnings():
         # peft looks for the base model's config.json to detect resized embeddings; a .gguf or hub-id base has
         # none at that path. hanzo-gym never resizes embeddings, so the warning says nothing.
         warnings.filterwarnings("ignore", message="Could not find a config file")
-        model.save_pretrained(str(directory))
+        state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
 
-def load_adapter_weights(model: PeftModel, directory: str | Path) -> None:
-    """Load saved adapter weights into an already-attached adapter (same rank and targets)."""
+def write_adapter(directory: str | Path, config: LoraConfig, weights: dict[str, torch.Tensor]) -> None:
+    """A plain PEFT adapter directory (what peft, transformers and vLLM load)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(directory / ADAPTER_WEIGHTS))
+    fields = config.to_dict()
+    fields.update(
+        peft_type="LORA", inference_mode=True, target_modules=sorted(fields["target_modules"] or [])
+    )
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(fields, indent=2, default=str) + "\n")
+
+
+def read_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """The config and weights of a PEFT LoRA adapter directory."""
     from safetensors.torch import load_file
 
-    path = Path(directory) / "adapter_model.safetensors"
-    if not path.is_file():
-        raise ModelError(f"{path} does not exist: not a PEFT adapter directory")
-    set_adapter_weights(model, load_file(str(path)), source=str(path))
+    directory = Path(directory)
+    config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ModelError(
+            f"{directory} is not a PEFT adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
+        )
+    fields = json.loads(config_file.read_text())
+    if fields.get("peft_type", "LORA") != "LORA":
+        raise ModelError(f"{config_file}: peft_type {fields['peft_type']} is not LoRA")
+    known = set(LoraConfig.__dataclass_fields__)
+    config = LoraConfig(**{k: v for k, v in fields.items() if k in known and k != "peft_type"})
+    return config, load_file(str(weights_file))
 
 
 def set_adapter_weights(

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.renderers.base import (
     Message,
@@ -17,6 +15,10 @@ from hanzo_gym.renderers.base import (
     RendererError,
     TrainOnWhat,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 __all__ = [
     "Message",

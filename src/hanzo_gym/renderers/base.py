@@ -12,14 +12,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
-
-import torch
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.data.example import IGNORE_INDEX
 from hanzo_gym.errors import GymError
-from hanzo_gym.model_input import EncodedTextChunk, ModelInput
+from hanzo_gym.records import EncodedTextChunk, ModelInput
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 # role, content (str or list of text/thinking parts), optional reasoning_content, tool_calls, trainable, name,
 # tool_call_id
@@ -201,6 +202,8 @@ class Renderer(ABC):
                 weights += [output_weight] * len(rendered.stop_overlap)
         tokens += conversation.trailer
         weights += [1.0 if mode is TrainOnWhat.ALL_TOKENS else 0.0] * len(conversation.trailer)
+        import torch  # Tinker's renderers return torch weights; loaded only when someone asks for them
+
         return ModelInput([EncodedTextChunk(tokens)]), torch.tensor(weights, dtype=torch.float32)
 
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.renderers.base import (
     Message,
@@ -27,6 +25,10 @@ from hanzo_gym.renderers.base import (
     text_content,
     thinking_content,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

@@ -13,9 +13,7 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Sequence
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.renderers.base import (
     Message,
@@ -32,6 +30,10 @@ from hanzo_gym.renderers.deepseek import (
     reasoning_and_text,
     tool_calls_of,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 START = "<|start|>"
 MESSAGE = "<|message|>"

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
-from transformers import PreTrainedTokenizerBase
 
-from hanzo_gym.model_input import EncodedTextChunk, ModelInput
+from hanzo_gym.records import EncodedTextChunk, ModelInput
 from hanzo_gym.renderers.base import (
     Message,
     ParseTermination,
@@ -28,6 +27,10 @@ from hanzo_gym.renderers.base import (
     split_at_stop_token,
     text_content,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 # Tokens that close a turn in common chat formats. The tokenizer's eos alone is not enough: Llama 3's eos is
 # `<|end_of_text|>` but its turns end with `<|eot_id|>`.

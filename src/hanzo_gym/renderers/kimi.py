@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.renderers.base import (
     Message,
@@ -31,6 +29,10 @@ from hanzo_gym.renderers.deepseek import (
     think_parts,
     tool_calls_of,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 IM_SYSTEM = "<|im_system|>"
 IM_USER = "<|im_user|>"

@@ -9,8 +9,7 @@ Content is trimmed as Meta's template does (`message['content'] | trim`). No too
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from hanzo_gym.renderers.base import (
     Message,
@@ -22,6 +21,9 @@ from hanzo_gym.renderers.base import (
     text_content,
     thinking_content,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Llama3Renderer(Renderer):

@@ -20,9 +20,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.renderers.base import (
     Message,
@@ -36,6 +34,10 @@ from hanzo_gym.renderers.base import (
     text_content,
     thinking_content,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 TOOLS_PREAMBLE = (

@@ -14,12 +14,25 @@ from typing import Any
 
 import torch
 
+from hanzo_gym.engine.sampling import stop_lists
 from hanzo_gym.errors import GymError
+from hanzo_gym.records import SampledSequence, SamplingParams
 from hanzo_gym.renderers import RendererError
-from hanzo_gym.sampling import SampledSequence, SamplingParams, stop_lists
-from hanzo_gym.serve import responses
 from hanzo_gym.serve.models import ServedModels
 from hanzo_gym.serve.protocol import APIError, ChatRequest, CompletionRequest, Sampling
+from hanzo_gym.serve.responses import (
+    chat_choice,
+    chat_chunk,
+    chat_completion,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now,
+    text_choice,
+    text_chunk,
+    text_completion,
+    usage_chunk,
+)
 from hanzo_gym.serve.text import TextTracker, decode, find_stop
 
 _DONE = object()
@@ -221,12 +234,10 @@ def chat(
     for index, (sample, sequence) in enumerate(results[0]):
         logprobs = None
         if request.logprobs:
-            logprobs = responses.chat_logprobs(
-                *generation.token_view(sample, range(sample.tracker.visible_tokens()))
-            )
+            logprobs = chat_logprobs(*generation.token_view(sample, range(sample.tracker.visible_tokens())))
         message = _chat_message(renderer, sample, sequence, generation.stop_strings)
-        choices.append(responses.chat_choice(index, message, sequence.stop_reason, logprobs))
-    return responses.chat_completion(responses.new_id("chatcmpl"), model, choices, *generation.usage(results))
+        choices.append(chat_choice(index, message, sequence.stop_reason, logprobs))
+    return chat_completion(new_id("chatcmpl"), model, choices, *generation.usage(results))
 
 
 def _chat_message(renderer, sample: _Sample, sequence: SampledSequence, stops: list[str]) -> dict[str, Any]:
@@ -256,19 +267,17 @@ def _chat_stream(generation: Generation, model: str, request: ChatRequest) -> It
 
 
 def _chat_chunks(generation: Generation, model: str, request: ChatRequest) -> Iterator[dict[str, Any]]:
-    id, created = responses.new_id("chatcmpl"), responses.now()
+    id, created = new_id("chatcmpl"), now()
     n = request.sampling.n
     for index in range(n):
-        yield responses.chat_chunk(id, model, created, index, {"role": "assistant", "content": ""})
+        yield chat_chunk(id, model, created, index, {"role": "assistant", "content": ""})
 
     def delta_chunk(row: int, sample: _Sample, finish_reason: str | None = None):
         text, positions = sample.tracker.take()
         if not text and not (positions and request.logprobs):
             return None
-        logprobs = (
-            responses.chat_logprobs(*generation.token_view(sample, positions)) if request.logprobs else None
-        )
-        return responses.chat_chunk(id, model, created, row, {"content": text}, finish_reason, logprobs)
+        logprobs = chat_logprobs(*generation.token_view(sample, positions)) if request.logprobs else None
+        return chat_chunk(id, model, created, row, {"content": text}, finish_reason, logprobs)
 
     for _, row, sample in generation.stream():
         if sample is not None:
@@ -281,13 +290,11 @@ def _chat_chunks(generation: Generation, model: str, request: ChatRequest) -> It
         chunk = delta_chunk(row, sample)
         if chunk is not None:
             yield chunk
-        yield responses.chat_chunk(id, model, created, row, {}, sequence.stop_reason)
+        yield chat_chunk(id, model, created, row, {}, sequence.stop_reason)
     if request.include_usage:
         prompt_tokens = len(generation.jobs[0].prompt)
         completion_tokens = sum(len(seq.tokens) for seq in results[0])
-        yield responses.usage_chunk(
-            id, "chat.completion.chunk", model, created, prompt_tokens, completion_tokens
-        )
+        yield usage_chunk(id, "chat.completion.chunk", model, created, prompt_tokens, completion_tokens)
 
 
 # -- /v1/completions ---------------------------------------------------------------------------------------
@@ -323,13 +330,13 @@ def complete(
             if request.logprobs is not None:
                 logprobs = _completion_logprobs(generation, sample, range(sample.tracker.visible_tokens()))
             index = p * request.sampling.n + j
-            choices.append(responses.text_choice(index, sample.tracker.text, sequence.stop_reason, logprobs))
-    return responses.text_completion(responses.new_id("cmpl"), model, choices, *generation.usage(results))
+            choices.append(text_choice(index, sample.tracker.text, sequence.stop_reason, logprobs))
+    return text_completion(new_id("cmpl"), model, choices, *generation.usage(results))
 
 
 def _completion_logprobs(generation: Generation, sample: _Sample, positions: range) -> dict[str, Any]:
     offsets = [sample.tracker.starts[i] for i in positions]
-    return responses.completion_logprobs(*generation.token_view(sample, positions), offsets)
+    return completion_logprobs(*generation.token_view(sample, positions), offsets)
 
 
 def _completion_stream(
@@ -344,7 +351,7 @@ def _completion_stream(
 def _completion_chunks(
     generation: Generation, model: str, request: CompletionRequest
 ) -> Iterator[dict[str, Any]]:
-    id, created = responses.new_id("cmpl"), responses.now()
+    id, created = new_id("cmpl"), now()
     n = request.sampling.n
     want_logprobs = request.logprobs is not None
 
@@ -353,7 +360,7 @@ def _completion_chunks(
         if not text and not (positions and want_logprobs):
             return None
         logprobs = _completion_logprobs(generation, sample, positions) if want_logprobs else None
-        return responses.text_chunk(id, model, created, job * n + row, text, None, logprobs)
+        return text_chunk(id, model, created, job * n + row, text, None, logprobs)
 
     for job, row, sample in generation.stream():
         if sample is not None:
@@ -368,9 +375,9 @@ def _completion_chunks(
             chunk = delta_chunk(job, r, done)
             if chunk is not None:
                 yield chunk
-            yield responses.text_chunk(id, model, created, job * n + r, "", sequence.stop_reason)
+            yield text_chunk(id, model, created, job * n + r, "", sequence.stop_reason)
     if request.include_usage:
         results = generation.results()
         prompt_tokens = sum(len(j.prompt) for j in generation.jobs)
         completion_tokens = sum(len(seq.tokens) for group in results for seq in group)
-        yield responses.usage_chunk(id, "text_completion", model, created, prompt_tokens, completion_tokens)
+        yield usage_chunk(id, "text_completion", model, created, prompt_tokens, completion_tokens)

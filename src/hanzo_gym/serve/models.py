@@ -8,8 +8,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hanzo_gym.model.host import ModelHost
-from hanzo_gym.model.sample_batcher import SampleBatcher
+from hanzo_gym.host.model_host import ModelHost
+from hanzo_gym.host.sample_batcher import SampleBatcher
 from hanzo_gym.renderers import Renderer, RendererError, get_renderer
 from hanzo_gym.serve.protocol import APIError
 

@@ -17,8 +17,8 @@ from typing import Any, Self
 from urllib.parse import unquote, urlsplit
 
 from hanzo_gym.errors import GymError
-from hanzo_gym.model.host import ModelHost
-from hanzo_gym.serve import api, responses
+from hanzo_gym.host.model_host import ModelHost
+from hanzo_gym.serve.api import chat, complete
 from hanzo_gym.serve.models import ServedModels
 from hanzo_gym.serve.protocol import (
     APIError,
@@ -27,6 +27,7 @@ from hanzo_gym.serve.protocol import (
     parse_load_adapter,
     parse_unload_adapter,
 )
+from hanzo_gym.serve.responses import model_card, model_list
 
 MAX_BODY = 16 * 1024 * 1024
 POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -92,7 +93,7 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/health":
                 return {"status": "ok"}
             if path == "/v1/models":
-                return responses.model_list(_cards(models))
+                return model_list(_cards(models))
             wanted = unquote(path[len("/v1/models/") :])
             for card in _cards(models):
                 if card["id"] == wanted:
@@ -103,9 +104,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._require("POST")
         body = self._read_json()
         if path == "/v1/chat/completions":
-            return api.chat(models, parse_chat(body), self._client_gone)
+            return chat(models, parse_chat(body), self._client_gone)
         if path == "/v1/completions":
-            return api.complete(models, parse_completion(body), self._client_gone)
+            return complete(models, parse_completion(body), self._client_gone)
         if path == "/v1/load_lora_adapter":
             request = parse_load_adapter(body)
             models.load(request.name, request.path)
@@ -214,8 +215,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _cards(models: ServedModels) -> list[dict[str, Any]]:
-    cards = [responses.model_card(models.name, models.created, models.host.base_model, None)]
-    cards += [responses.model_card(a.name, a.created, a.path, models.name) for a in models.adapters()]
+    cards = [model_card(models.name, models.created, models.host.base_model, None)]
+    cards += [model_card(a.name, a.created, a.path, models.name) for a in models.adapters()]
     return cards
 
 

@@ -14,13 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.synth.columns import LLM_COLUMNS, Column, ExpressionColumn, SamplerColumn
 from hanzo_gym.synth.expressions import Condition
 from hanzo_gym.synth.llm import ModelSettings
 from hanzo_gym.synth.samplers import SAMPLERS, Sampler
 from hanzo_gym.synth.validators import Validator
-from hanzo_gym.yaml_source import load_yaml_file
 
 Loc = tuple[str | int, ...]
 OUTPUT_SUFFIXES = (".jsonl", ".parquet")

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hanzo_gym.errors import ConfigError, DataError
-from hanzo_gym.rundir import atomic_write_text
+from hanzo_gym.files import atomic_write_text
 from hanzo_gym.synth.values import row_json
 
 STATE_VERSION = 1

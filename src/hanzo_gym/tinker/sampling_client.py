@@ -12,12 +12,10 @@ from typing import Any, TypeVar
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from hanzo_gym.engine import Datum as EngineDatum
 from hanzo_gym.errors import GymError
-from hanzo_gym.model.host import ModelHost
-from hanzo_gym.model.sample_batcher import SampleBatcher
-from hanzo_gym.model_input import ModelInput
-from hanzo_gym.sampling import SamplingParams
+from hanzo_gym.host.model_host import ModelHost
+from hanzo_gym.host.sample_batcher import SampleBatcher
+from hanzo_gym.records import Datum, ModelInput, SamplingParams
 from hanzo_gym.tinker.futures import APIFuture, OrderedWorker
 from hanzo_gym.tinker.types import SampleResponse
 
@@ -88,7 +86,7 @@ class SamplingClient:
         prompt_logprobs = None
         with self._host.using(self._adapter) as model:
             if logprobs:
-                datum = EngineDatum(tokens[:-1], {"target_tokens": tokens[1:]})
+                datum = Datum.from_tokens(tokens[:-1], target_tokens=tokens[1:])
                 scored = self._host.scorer.forward([datum])[0].tolist()
                 prompt_logprobs = [None, *scored]
             topk_lists = None

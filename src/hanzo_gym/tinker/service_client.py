@@ -13,10 +13,10 @@ import torch
 from peft import LoraConfig
 
 from hanzo_gym.errors import GymError
-from hanzo_gym.model.host import ModelHost, read_adapter
+from hanzo_gym.host.model_host import ModelHost, read_adapter
+from hanzo_gym.host.sample_batcher import SampleBatcher
 from hanzo_gym.model.hub import model_key
-from hanzo_gym.model.sample_batcher import SampleBatcher
-from hanzo_gym.tinker import paths
+from hanzo_gym.tinker.paths import default_root, resolve
 from hanzo_gym.tinker.sampling_client import SamplingClient
 from hanzo_gym.tinker.training_client import TrainingClient
 from hanzo_gym.tinker.types import GetServerCapabilitiesResponse, SupportedModel
@@ -40,7 +40,7 @@ class ServiceClient:
         dtype: torch.dtype | None = None,
         **connection_settings: Any,
     ):
-        self.root = Path(root).expanduser() if root is not None else paths.default_root()
+        self.root = Path(root).expanduser() if root is not None else default_root()
         self._device = torch.device(device) if device is not None else None
         self._dtype = dtype
         self._hosts: dict[str, tuple[ModelHost, SampleBatcher]] = {}
@@ -89,7 +89,7 @@ class ServiceClient:
             if seed is not None:
                 torch.manual_seed(seed)
             host.add_adapter(name, config)
-        return TrainingClient(self, host, name, _new_run_id())
+        return self._training_client(host, name)
 
     def create_training_client_from_state(
         self, path: str, base_model: str | None = None, **_: Any
@@ -112,7 +112,7 @@ class ServiceClient:
         if model_path is None:
             host, _ = self._host(base_model)
             return self._sampling_client(host, None, owns_adapter=False)
-        directory = paths.resolve(model_path, self.root)
+        directory = resolve(model_path, self.root)
         config, weights = read_adapter(directory)
         host, _ = self._host(base_model or _base_of(config, model_path))
         name = host.new_name("sampler")
@@ -148,10 +148,20 @@ class ServiceClient:
                 self._hosts[key] = (host, SampleBatcher(host))
             return self._hosts[key]
 
-    def _sampling_client(self, host: ModelHost, adapter: str | None, owns_adapter: bool) -> SamplingClient:
+    def _batcher_of(self, host: ModelHost) -> SampleBatcher:
         with self._lock:
-            batcher = next(b for h, b in self._hosts.values() if h is host)
-        return SamplingClient(host, batcher, adapter, owns_adapter)
+            return next(b for h, b in self._hosts.values() if h is host)
+
+    def _sampling_client(self, host: ModelHost, adapter: str | None, owns_adapter: bool) -> SamplingClient:
+        return SamplingClient(host, self._batcher_of(host), adapter, owns_adapter)
+
+    def _training_client(self, host: ModelHost, adapter: str) -> TrainingClient:
+        return TrainingClient(
+            host, self._batcher_of(host), adapter, _new_run_id(), self.root, self._open_sampler
+        )
+
+    def _open_sampler(self, model_path: str) -> SamplingClient:
+        return self.create_sampling_client(model_path=model_path)
 
     def close(self) -> None:
         """Stop the sampler threads; the base models are freed once no client refers to them."""
@@ -167,12 +177,12 @@ class ServiceClient:
         self.close()
 
     def _from_state(self, path: str, base_model: str | None, with_optimizer: bool) -> TrainingClient:
-        directory = paths.resolve(path, self.root)
+        directory = resolve(path, self.root)
         config, _ = read_adapter(directory)
         host, _ = self._host(base_model or _base_of(config, path))
         name = host.new_name("train")
         host.add_adapter(name, LoraConfig(**{**config.to_dict(), "inference_mode": False}))
-        client = TrainingClient(self, host, name, _new_run_id())
+        client = self._training_client(host, name)
         load = client.load_state_with_optimizer if with_optimizer else client.load_state
         load(path).result()
         return client

@@ -9,19 +9,23 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from hanzo_gym.engine import AdamParams, Engine, check_loss_inputs
-from hanzo_gym.engine import Datum as EngineDatum
+from hanzo_gym.engine import Engine, check_datums
+from hanzo_gym.engine.losses import CONFIG_KEYS, LOSS_FNS
+from hanzo_gym.engine.state_files import has_optimizer_state, load_engine_state, save_engine_state
 from hanzo_gym.errors import GymError
-from hanzo_gym.losses import CONFIG_KEYS, LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
-from hanzo_gym.model.host import ModelHost, read_adapter
-from hanzo_gym.rundir import publish_directory
-from hanzo_gym.tinker import paths
+from hanzo_gym.files import publish_directory
+from hanzo_gym.host.model_host import ModelHost
+from hanzo_gym.host.sample_batcher import SampleBatcher
+from hanzo_gym.model.lora import read_adapter
+from hanzo_gym.records import AdamParams
 from hanzo_gym.tinker.futures import APIFuture, OrderedWorker
+from hanzo_gym.tinker.paths import checkpoint_path, resolve
+from hanzo_gym.tinker.sampling_client import SamplingClient
 from hanzo_gym.tinker.types import (
     Datum,
     ForwardBackwardOutput,
@@ -34,18 +38,25 @@ from hanzo_gym.tinker.types import (
     logprobs_output,
 )
 
-if TYPE_CHECKING:
-    from hanzo_gym.tinker.sampling_client import SamplingClient
-    from hanzo_gym.tinker.service_client import ServiceClient
-
-OPTIMIZER_STATE = "optimizer.pt"
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
 class TrainingClient:
-    def __init__(self, service: ServiceClient, host: ModelHost, adapter: str, run_id: str):
-        self._service = service
+    def __init__(
+        self,
+        host: ModelHost,
+        batcher: SampleBatcher,
+        adapter: str,
+        run_id: str,
+        root: Path,
+        open_sampler: Callable[[str], SamplingClient],
+    ):
+        """Made by ServiceClient: `root` is where gym:// paths live, `open_sampler(model_path)` is the
+        service's create_sampling_client."""
         self._host = host
+        self._batcher = batcher
+        self._root = root
+        self._open_sampler = open_sampler
         self._adapter = adapter
         self.run_id = run_id
         with host.using(adapter) as model:
@@ -88,14 +99,14 @@ class TrainingClient:
     ) -> APIFuture[SaveWeightsResponse]:
         """Adapter + AdamW moments under gym://<run>/weights/<name>: `load_state_with_optimizer` resumes
         exactly. `ttl_seconds` is accepted and ignored: local checkpoints never expire."""
-        path = paths.checkpoint_path(self.run_id, "weights", name)
+        path = checkpoint_path(self.run_id, "weights", name)
         return self._submit(self._save, path, True, overwrite, SaveWeightsResponse)
 
     def save_weights_for_sampler(
         self, name: str, ttl_seconds: int | None = None
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """The adapter as a PEFT directory under gym://<run>/sampler_weights/<name> (peft and vLLM load it)."""
-        path = paths.checkpoint_path(self.run_id, "sampler_weights", name)
+        path = checkpoint_path(self.run_id, "sampler_weights", name)
         return self._submit(self._save, path, False, True, SaveWeightsForSamplerResponse)
 
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
@@ -112,7 +123,7 @@ class TrainingClient:
         return self._submit(self._snapshot).result()
 
     def create_sampling_client(self, model_path: str, retry_config: Any = None) -> SamplingClient:
-        return self._service.create_sampling_client(model_path=model_path)
+        return self._open_sampler(model_path)
 
     # -- information ---------------------------------------------------------------------------------------
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -175,41 +186,31 @@ class TrainingClient:
 
         return self._worker.submit(run)
 
-    def _engine_datums(
-        self, data: list[Datum], loss_fn: str, need_weights: bool = True, config: dict | None = None
-    ) -> list[EngineDatum]:
+    def _checked(self, data: list[Datum], loss_fn: str, config: dict | None = None) -> list[Datum]:
         if loss_fn not in LOSS_FNS:
             raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
         unknown = sorted(set(config or {}) - set(CONFIG_KEYS[loss_fn]))
         if unknown:
             allowed = ", ".join(CONFIG_KEYS[loss_fn]) or "none"
             raise GymError(f"loss_fn_config for `{loss_fn}` has unknown keys {unknown}; it takes: {allowed}")
-        datums = []
+        check_datums(data)
         for index, datum in enumerate(data):
-            if not isinstance(datum, Datum):
-                raise GymError(f"datum {index} is a {type(datum).__name__}; build it with types.Datum(...)")
-            converted = datum.to_engine(index)
-            for what, ids in (("model_input", converted.model_input), ("target_tokens", _targets(converted))):
+            targets = datum.loss_fn_inputs["target_tokens"].data
+            for what, ids in (("model_input", datum.model_input.to_ints()), ("target_tokens", targets)):
                 self._host.check_token_ids(list(ids), f"datum {index}: {what}")
-            datums.append(converted)
-        if need_weights and datums:
-            check_loss_inputs(datums, loss_fn)
-        return datums
+        return data
 
     def _forward(self, data: list[Datum], loss_fn: str, config: dict | None) -> ForwardBackwardOutput:
-        datums = self._engine_datums(data, loss_fn, config=config)
-        if not datums:
+        datums = self._checked(data, loss_fn, config)
+        if not datums:  # Tinker sends no request for an empty batch
             return _empty_output(loss_fn)
-        logprobs = self._engine.forward(datums)
-        keys = [*REQUIRED_INPUTS[loss_fn], *(k for k in OPTIONAL_INPUTS if k in datums[0].loss_fn_inputs)]
-        inputs = {k: torch.cat([d.loss_fn_inputs[k].float() for d in datums]) for k in keys}
-        loss = LOSS_FNS[loss_fn](torch.cat(logprobs), inputs, config or {}).item()
-        return ForwardBackwardOutput(loss_fn, logprobs_output(logprobs), {"loss:sum": loss})
+        out = self._engine.forward_loss(datums, loss_fn, config)
+        return ForwardBackwardOutput(loss_fn, logprobs_output(out.logprobs), {"loss:sum": out.loss_sum})
 
     def _forward_backward(
         self, data: list[Datum], loss_fn: str, config: dict | None
     ) -> ForwardBackwardOutput:
-        datums = self._engine_datums(data, loss_fn, config=config)
+        datums = self._checked(data, loss_fn, config)
         if not datums:  # Tinker sends no request for an empty batch: nothing to accumulate
             return _empty_output(loss_fn)
         out = self._engine.forward_backward(datums, loss_fn, config)
@@ -223,7 +224,7 @@ class TrainingClient:
                     f"datum {index}: forward_backward_custom takes loss_fn_inputs target_tokens (and optionally "
                     f"weights) only; got {sorted(datum.loss_fn_inputs)}"
                 )
-        datums = self._engine_datums(data, "cross_entropy", need_weights=False)
+        datums = self._checked(data, "cross_entropy")
         if not datums:
             return _empty_output("cross_entropy")
         with self._host.using(self._adapter):
@@ -231,7 +232,7 @@ class TrainingClient:
         loss, metrics = loss_fn(data, leaves)
         loss.backward()
         weighted = [
-            EngineDatum(
+            Datum(
                 d.model_input,
                 {
                     "target_tokens": d.loss_fn_inputs["target_tokens"],
@@ -249,16 +250,14 @@ class TrainingClient:
         )
 
     def _save(self, path: str, with_optimizer: bool, overwrite: bool, response: type) -> Any:
-        destination = paths.resolve(path, self._service.root)
+        destination = resolve(path, self._root)
         if destination.exists() and not overwrite:
             raise GymError(f"{path} already exists; pick another name or pass overwrite=True")
         destination.parent.mkdir(parents=True, exist_ok=True)
 
         def build(staging: Path) -> None:
-            self._host.save_adapter(self._adapter, staging)
+            save_engine_state(self._engine, staging, with_optimizer)
             self._host.tokenizer.save_pretrained(str(staging))
-            if with_optimizer:
-                torch.save(self._engine.optimizer.state_dict(), staging / OPTIMIZER_STATE)
             (staging / "gym_checkpoint.json").write_text(
                 json.dumps({"base_model": self._host.base_model, "run_id": self.run_id, "path": path}) + "\n"
             )
@@ -268,8 +267,8 @@ class TrainingClient:
         return response(path=path)
 
     def _load(self, path: str, with_optimizer: bool) -> LoadWeightsResponse:
-        directory = paths.resolve(path, self._service.root)
-        config, weights = read_adapter(directory)
+        directory = resolve(path, self._root)
+        config, _ = read_adapter(directory)
         mine = self._host.config(self._adapter)
         shape = _adapter_shape(config)
         if shape != _adapter_shape(mine):
@@ -277,29 +276,18 @@ class TrainingClient:
                 f"{path}: an adapter with {shape} does not fit this client's {_adapter_shape(mine)}; use "
                 "ServiceClient.create_training_client_from_state to start from it"
             )
-        self._host.set_weights(self._adapter, weights)
-        self._engine.optimizer.zero_grad(set_to_none=True)
-        if with_optimizer:
-            state_file = directory / OPTIMIZER_STATE
-            if not state_file.is_file():
-                raise GymError(
-                    f"{path} holds no optimizer state (a sampler checkpoint?); save it with save_state"
-                )
-            self._engine.optimizer.load_state_dict(torch.load(state_file, weights_only=True))
-        else:
-            self._engine.optimizer = torch.optim.AdamW(self._engine.trainable, lr=0.0)
+        if with_optimizer and not has_optimizer_state(directory):
+            raise GymError(
+                f"{path} holds no optimizer state (a sampler checkpoint?); save it with save_state"
+            )
+        load_engine_state(self._engine, directory, with_optimizer)
         return LoadWeightsResponse(path=path)
 
     def _snapshot(self) -> SamplingClient:
         name = self._host.new_name("snapshot")
         self._host.add_adapter(name, self._host.config(self._adapter))
         self._host.set_weights(name, self._host.weights(self._adapter))
-        return self._service._sampling_client(self._host, name, owns_adapter=True)
-
-
-def _targets(datum: EngineDatum) -> list[int]:
-    targets = datum.loss_fn_inputs.get("target_tokens")
-    return [] if targets is None else torch.as_tensor(targets).tolist()
+        return SamplingClient(self._host, self._batcher, name, owns_adapter=True)
 
 
 def _empty_output(loss_fn: str) -> ForwardBackwardOutput:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hanzo_gym.model_input import ModelInput
+from hanzo_gym.records import ModelInput
 from hanzo_gym.renderers import Message, Renderer, TrainOnWhat
 from hanzo_gym.tinker.types import Datum
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from hanzo_gym.config import Config
-from hanzo_gym.engine import AdamParams
+from hanzo_gym.records import AdamParams
 
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_steps: int, kind: str) -> float:

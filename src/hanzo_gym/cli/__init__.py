@@ -12,8 +12,8 @@ from hanzo_gym.errors import GymError
 
 def _train(args: argparse.Namespace) -> None:
     from hanzo_gym.config import load_config
-    from hanzo_gym.distributed import shutdown
-    from hanzo_gym.train import run_training
+    from hanzo_gym.engine.distributed import shutdown
+    from hanzo_gym.loops.train import run_training
 
     try:
         run_training(load_config(args.config))
@@ -32,8 +32,8 @@ def _preprocess(args: argparse.Namespace) -> None:
 
 
 def _merge(args: argparse.Namespace) -> None:
+    from hanzo_gym.cli.merge import merge_run
     from hanzo_gym.config import load_config
-    from hanzo_gym.merge import merge_run
 
     destination = merge_run(load_config(args.config), args.out, args.checkpoint)
     print(f"wrote merged model to {destination}")
@@ -48,7 +48,7 @@ def _synth(args: argparse.Namespace) -> None:
 def _trainjob(args: argparse.Namespace) -> None:
     import os
 
-    from hanzo_gym.trainjob import main_trainjob
+    from hanzo_gym.cli.trainjob import main_trainjob
 
     main_trainjob(os.environ, dry_run=args.dry_run)
 

@@ -11,14 +11,22 @@ from transformers import PreTrainedTokenizerBase
 from hanzo_gym.config import Config
 from hanzo_gym.data.dataset import load_examples
 from hanzo_gym.data.prompts import load_prompts
-from hanzo_gym.distributed import broadcast_object, broadcast_parameters, init_from_env, is_main, world_size
 from hanzo_gym.engine import Engine
+from hanzo_gym.engine.distributed import (
+    broadcast_object,
+    broadcast_parameters,
+    init_from_env,
+    is_main,
+    world_size,
+)
+from hanzo_gym.engine.state_files import save_engine_state
 from hanzo_gym.errors import GymError
-from hanzo_gym.grpo import GrpoResult, train_grpo
+from hanzo_gym.files import publish_directory, publish_files_into
+from hanzo_gym.loops.grpo import GrpoResult, train_grpo
+from hanzo_gym.loops.run_dir import RunDir
+from hanzo_gym.loops.sft import SftResult, train_sft
 from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, pick_device_and_dtype
-from hanzo_gym.model.lora import attach_lora, save_adapter
-from hanzo_gym.rundir import RunDir, publish_directory, publish_files_into
-from hanzo_gym.sft import SftResult, train_sft
+from hanzo_gym.model.lora import attach_lora
 
 
 def build_engine(
@@ -100,7 +108,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_from)
 
     def final(directory: Path) -> None:
-        save_adapter(engine.model, directory)
+        save_engine_state(engine, directory, with_optimizer=False)
         tokenizer.save_pretrained(str(directory))
 
     if not is_main():

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from hanzo_gym.checkpoint import TrainerPosition, adapter_fingerprint, starting_position, write_checkpoint
 from hanzo_gym.config import Config
+from hanzo_gym.config.schema import TrlConfig
 from hanzo_gym.data.batching import epoch_order
 from hanzo_gym.data.prompts import Prompt
-from hanzo_gym.distributed import gather_objects, rank, shard, sum_across, world_size
-from hanzo_gym.engine import Engine
-from hanzo_gym.rewards import Completion, RewardFunction, parse_reward, score_completions
-from hanzo_gym.rl_math import (
+from hanzo_gym.engine import Engine, ForwardBackwardOutput
+from hanzo_gym.engine.distributed import gather_objects, rank, shard, sum_across, world_size
+from hanzo_gym.loops.checkpoint import adapter_fingerprint
+from hanzo_gym.loops.rl_math import (
     group_advantages,
     is_constant,
     k3,
@@ -31,9 +31,11 @@ from hanzo_gym.rl_math import (
     rl_datum,
     sample_train_metrics,
 )
-from hanzo_gym.rundir import Progress, RunDir
-from hanzo_gym.sampling import SamplingParams
-from hanzo_gym.schedule import adam_params
+from hanzo_gym.loops.run_dir import RunDir
+from hanzo_gym.loops.schedule import adam_params
+from hanzo_gym.loops.tail import LoopTail, StepPlace
+from hanzo_gym.records import Datum, SampledSequence, SamplingParams, TensorData
+from hanzo_gym.rewards import Completion, RewardFunction, parse_reward, score_completions
 
 RANK_SEED_STRIDE = 1_000_000_007  # rank r samples with seed + r·stride: no two processes share a stream
 
@@ -65,7 +67,9 @@ def _sampling(cfg: Config, seed: int, greedy: bool = False) -> SamplingParams:
     )
 
 
-def _completions(engine: Engine, prompts: list[Prompt], groups: list) -> list[list[Completion]]:
+def _completions(
+    engine: Engine, prompts: list[Prompt], groups: list[list[SampledSequence]]
+) -> list[list[Completion]]:
     decode = engine.tokenizer.decode
     return [
         [
@@ -97,6 +101,32 @@ def evaluate_rewards(
     return {"eval/reward": mean(rewards), "eval/accuracy": mean([1.0 if r > 0 else 0.0 for r in rewards])}
 
 
+@dataclass
+class Rollouts:
+    """One step's groups on this process: prompt p's completions, their rewards and their advantages."""
+
+    prompts_P: list[Prompt]
+    samples_P_G: list[list[SampledSequence]]
+    rewards_P_G: list[list[float]]
+    advantages_P_G: list[list[float]]
+
+    @property
+    def samples(self) -> list[SampledSequence]:
+        return [s for group in self.samples_P_G for s in group]
+
+    @property
+    def advantages(self) -> list[float]:
+        return [a for group in self.advantages_P_G for a in group]
+
+
+@dataclass
+class TrainingBatch:
+    """The completions that train (flat indices into the rollouts' samples) and their datums."""
+
+    chosen: list[int]
+    datums: list[Datum]
+
+
 def train_grpo(
     engine: Engine,
     cfg: Config,
@@ -121,119 +151,91 @@ def train_grpo(
         "seed": cfg.seed,
         "micro_batch_size": prompts_per_step,
     }
-    position = starting_position(engine, run, plan, resume_from)
-    progress = Progress(total, position.step)
-    say = progress.say
-    started = time.perf_counter()
-    step = position.step
-    last_eval = None
-
-    def run_eval() -> dict[str, float]:
-        result = evaluate_rewards(engine, val, reward_fns, cfg)
-        run.log({"step": step, **result, "elapsed_s": time.perf_counter() - started})
-        say(
-            f"eval step {step} eval/reward {result['eval/reward']:.4f} eval/accuracy {result['eval/accuracy']:.3f}"
-        )
-        return result
-
-    if val and step == 0:
-        last_eval = run_eval()
-
-    for epoch in range(position.epoch, cfg.num_epochs):
+    tail = LoopTail(
+        engine,
+        cfg,
+        run,
+        plan,
+        total,
+        resume_from,
+        evaluate=(lambda: evaluate_rewards(engine, val, reward_fns, cfg)) if val else None,
+        row=lambda window: {**window.means(), "lr": window.last["lr"]},
+        line=lambda row: (
+            f"step {row['step']}/{total} reward {row['reward']:.4f} reward_std {row['reward_std']:.4f} "
+            f"length {row['completions/mean_length']:.1f} loss {row['loss']:.4f} "
+            f"sample {row['time/sample']:.1f}s train {row['time/train']:.1f}s"
+        ),
+    )
+    for epoch in range(tail.position.epoch, cfg.num_epochs):
         order = epoch_order(len(train), cfg.seed, epoch)
-        first = position.window if epoch == position.epoch else 0
-        for index in range(first, per_epoch):
-            if step >= total:
+        for index in range(tail.first_index(epoch), per_epoch):
+            if tail.done:
                 break
-            prompts = shard(
+            step = tail.step
+            prompts_P = shard(
                 [train[i] for i in order[index * prompts_per_step : (index + 1) * prompts_per_step]]
             )
             clock = time.perf_counter()
             seed = cfg.seed * 1_000_003 + step + rank() * RANK_SEED_STRIDE
             # (a process can be left without prompts in an epoch's last, short step)
-            groups = (
-                engine.sample([p.tokens for p in prompts], trl.num_generations, _sampling(cfg, seed))
-                if prompts
+            samples_P_G = (
+                engine.sample([p.tokens for p in prompts_P], trl.num_generations, _sampling(cfg, seed))
+                if prompts_P
                 else []
             )
             sample_seconds = time.perf_counter() - clock
             clock = time.perf_counter()
-            completions = _completions(engine, prompts, groups)
-            flat = [c for group in completions for c in group]
+            flat = [c for group in _completions(engine, prompts_P, samples_P_G) for c in group]
             totals, per_function = score_completions(reward_fns, weights, flat)
-            rewards_G = [
-                totals[g * trl.num_generations : (g + 1) * trl.num_generations] for g in range(len(prompts))
+            group = trl.num_generations
+            rewards_P_G = [totals[p * group : (p + 1) * group] for p in range(len(prompts_P))]
+            everyone = _StepView.gather(rewards_P_G, per_function, [s for g in samples_P_G for s in g])
+            advantages_P_G = group_advantages(everyone.rewards_P_G, trl.reward_scaling)[
+                everyone.first_group : everyone.first_group + len(rewards_P_G)
             ]
-            samples = [s for group in groups for s in group]
-            everyone = _StepView.gather(rewards_G, per_function, samples)
-            advantages_G = group_advantages(everyone.rewards_G, trl.reward_scaling)[
-                everyone.first_group : everyone.first_group + len(rewards_G)
-            ]
-
-            advantages = [a for group in advantages_G for a in group]
-            chosen, datums = _training_datums(prompts, samples, advantages, rewards_G, trl, engine)
+            rollouts = Rollouts(prompts_P, samples_P_G, rewards_P_G, advantages_P_G)
+            batch = _training_batch(rollouts, trl, engine)
             adam = adam_params(cfg, step, total)
-            lr = adam.learning_rate
             train_metrics: dict[str, float] = {}
-            has_signal = any(advantages[i] != 0 for i in chosen) or (trl.beta > 0 and bool(datums))
+            advantages = rollouts.advantages
+            has_signal = any(advantages[i] != 0 for i in batch.chosen) or (
+                trl.beta > 0 and bool(batch.datums)
+            )
             has_signal = sum_across(float(has_signal))[0] > 0  # every process steps, or none
             for iteration in range(trl.num_iterations if has_signal else 0):
-                out = engine.forward_backward(datums, trl.loss_fn, _loss_config(cfg))
+                out = engine.forward_backward(batch.datums, trl.loss_fn, _loss_config(cfg))
                 stats = engine.optim_step(adam)
                 if iteration == 0:
-                    train_metrics = _train_metrics(out, datums, chosen, samples, advantages, trl, cfg)
+                    train_metrics = _train_metrics(out, rollouts, batch, cfg)
                     train_metrics.update(loss=out.loss_sum, grad_norm=stats["grad_norm"])
             if world_size() > 1:
-                weight = sum(len(samples[i].tokens) for i in chosen) if train_metrics else 0
+                samples = rollouts.samples
+                weight = sum(len(samples[i].tokens) for i in batch.chosen) if train_metrics else 0
                 train_metrics = _combine_train_metrics(train_metrics, weight)
-            step += 1
-            progress.advance()
-            train_seconds = time.perf_counter() - clock
-
-            row = {
-                "step": step,
-                "epoch": round(epoch + (index + 1) / per_epoch, 4),
-                "lr": lr,
+            values = {
+                "lr": adam.learning_rate,
                 "loss": 0.0,
                 "grad_norm": 0.0,
                 **train_metrics,
-                **_reward_metrics(
-                    everyone.rewards_G, everyone.per_function, everyone.lengths, everyone.stops
-                ),
+                **_reward_metrics(everyone),
                 "time/sample": sample_seconds,
-                "time/train": train_seconds,
-                "elapsed_s": time.perf_counter() - started,
+                "time/train": time.perf_counter() - clock,
             }
-            if step % cfg.logging_steps == 0 or step == total:
-                run.log(row)
-                say(
-                    f"step {step}/{total} reward {row['reward']:.4f} reward_std {row['reward_std']:.4f} "
-                    f"length {row['completions/mean_length']:.1f} loss {row['loss']:.4f} "
-                    f"sample {sample_seconds:.1f}s train {train_seconds:.1f}s"
-                )
-            end_of_epoch = index == per_epoch - 1
-            if val and ((cfg.eval_steps and step % cfg.eval_steps == 0) or end_of_epoch or step == total):
-                last_eval = run_eval()
-            if cfg.save_steps and step % cfg.save_steps == 0:
-                following = (epoch, index + 1) if not end_of_epoch else (epoch + 1, 0)
-                mark = TrainerPosition(step=step, epoch=following[0], window=following[1], plan=plan)
-                path = run.save_checkpoint(
-                    step, row["epoch"], lambda d, mark=mark: write_checkpoint(d, engine, mark)
-                )
-                say(f"saved {path}")
-        if step >= total:
+            tail.finish_step(values, StepPlace(epoch, index, per_epoch))
+        if tail.done:
             break
-    progress.close()
-    return GrpoResult(steps=step, last_eval=last_eval)
+    tail.close()
+    return GrpoResult(steps=tail.step, last_eval=tail.last_eval)
 
 
-def _training_datums(prompts, samples, advantages, rewards_G, trl, engine) -> tuple[list[int], list]:
+def _training_batch(rollouts: Rollouts, trl: TrlConfig, engine: Engine) -> TrainingBatch:
     """The completions that train (not from a constant group / not truncated, when asked) as RL datums, with
     TRL's loss-type normalisation folded into their advantages and, when beta > 0, the base model's logprobs
-    for the KL penalty. Returns the indices of those completions and their datums."""
+    for the KL penalty."""
+    samples, advantages = rollouts.samples, rollouts.advantages
     group = trl.num_generations
     keep = [
-        not (trl.remove_constant_reward_groups and is_constant(rewards_G[i // group]))
+        not (trl.remove_constant_reward_groups and is_constant(rollouts.rewards_P_G[i // group]))
         and not (trl.mask_truncated_completions and sample.stop_reason != "stop")
         for i, sample in enumerate(samples)
     ]
@@ -247,7 +249,7 @@ def _training_datums(prompts, samples, advantages, rewards_G, trl, engine) -> tu
     chosen = [i for i, k in enumerate(keep) if k and samples[i].tokens]
     datums = [
         rl_datum(
-            prompts[i // group].tokens,
+            rollouts.prompts_P[i // group].tokens,
             samples[i].tokens,
             samples[i].logprobs,
             advantages[i] * token_weights[i],
@@ -257,11 +259,11 @@ def _training_datums(prompts, samples, advantages, rewards_G, trl, engine) -> tu
     if trl.beta > 0 and datums:
         for i, datum, reference in zip(chosen, datums, engine.forward(datums, reference=True)):
             completion = len(samples[i].tokens)
-            datum.loss_fn_inputs["ref_logprobs"] = reference
-            datum.loss_fn_inputs["kl_weights"] = [0.0] * (len(datum) - completion) + [
-                trl.beta * token_weights[i]
-            ] * completion
-    return chosen, datums
+            datum.loss_fn_inputs["ref_logprobs"] = TensorData.from_torch(reference)
+            datum.loss_fn_inputs["kl_weights"] = TensorData.coerce(
+                [0.0] * (len(datum) - completion) + [trl.beta * token_weights[i]] * completion, "float32"
+            )
+    return TrainingBatch(chosen, datums)
 
 
 @dataclass
@@ -270,7 +272,7 @@ class _StepView:
     reward function's scores, completion lengths and stop reasons (in rank order), and where this rank's
     groups start."""
 
-    rewards_G: list[list[float]]
+    rewards_P_G: list[list[float]]
     per_function: dict[str, list[float]]
     lengths: list[int]
     stops: list[str]
@@ -278,13 +280,13 @@ class _StepView:
 
     @staticmethod
     def gather(
-        rewards_G: list[list[float]], per_function: dict[str, list[float]], samples: list
+        rewards_P_G: list[list[float]], per_function: dict[str, list[float]], samples: list[SampledSequence]
     ) -> _StepView:
-        mine = (rewards_G, per_function, [len(s.tokens) for s in samples], [s.stop_reason for s in samples])
+        mine = (rewards_P_G, per_function, [len(s.tokens) for s in samples], [s.stop_reason for s in samples])
         parts = gather_objects(mine)
         names = list(dict.fromkeys(name for part in parts for name in part[1]))
         return _StepView(
-            rewards_G=[group for part in parts for group in part[0]],
+            rewards_P_G=[group for part in parts for group in part[0]],
             per_function={name: [x for part in parts for x in part[1].get(name, [])] for name in names},
             lengths=[n for part in parts for n in part[2]],
             stops=[reason for part in parts for reason in part[3]],
@@ -311,37 +313,39 @@ def _combine_train_metrics(metrics: dict[str, float], weight: float) -> dict[str
     return combined
 
 
-def _reward_metrics(
-    rewards_G: list[list[float]], per_function: dict[str, list[float]], lengths: list[int], stops: list[str]
-) -> dict:
-    flat = [r for group in rewards_G for r in group]
-    zero_std = [is_constant(group) for group in rewards_G for _ in group]
+def _reward_metrics(view: _StepView) -> dict[str, float]:
+    flat = [r for group in view.rewards_P_G for r in group]
+    zero_std = [is_constant(group) for group in view.rewards_P_G for _ in group]
     return {
         "reward": mean(flat),
         "reward_std": statistics.stdev(flat) if len(flat) > 1 else 0.0,
         "frac_reward_zero_std": mean([1.0 if z else 0.0 for z in zero_std]),
-        **{f"rewards/{name}/mean": mean(scores) for name, scores in per_function.items()},
-        "completions/mean_length": mean(lengths),
-        "completions/clipped_ratio": mean([1.0 if reason == "length" else 0.0 for reason in stops]),
-        "ac_tokens_per_turn": mean(lengths),
+        **{f"rewards/{name}/mean": mean(scores) for name, scores in view.per_function.items()},
+        "completions/mean_length": mean(view.lengths),
+        "completions/clipped_ratio": mean([1.0 if reason == "length" else 0.0 for reason in view.stops]),
+        "ac_tokens_per_turn": mean(view.lengths),
     }
 
 
-def _train_metrics(out, datums, chosen, samples, advantages, trl, cfg) -> dict[str, float]:
+def _train_metrics(
+    out: ForwardBackwardOutput, rollouts: Rollouts, batch: TrainingBatch, cfg: Config
+) -> dict[str, float]:
+    trl = cfg.trl
+    samples, advantages = rollouts.samples, rollouts.advantages
     sampled, trained, entropies, kls = [], [], [], []
-    for datum, i, logprobs, entropy in zip(datums, chosen, out.logprobs, out.entropies):
+    for datum, i, logprobs, entropy in zip(batch.datums, batch.chosen, out.logprobs, out.entropies):
         n = len(samples[i].tokens)
         sampled.append(torch.tensor(samples[i].logprobs))
         trained.append(logprobs[-n:])
         entropies.append(entropy[-n:])
         if trl.beta > 0:
-            reference = torch.as_tensor(datum.loss_fn_inputs["ref_logprobs"])[-n:]
+            reference = datum.loss_fn_inputs["ref_logprobs"].to_torch()[-n:]
             kls.append(k3(logprobs[-n:], reference))
     config = _loss_config(cfg)
     metrics = sample_train_metrics(
         sampled,
         trained,
-        [advantages[i] for i in chosen],
+        [advantages[i] for i in batch.chosen],
         config.get("clip_low_threshold", 1 - trl.epsilon),
         config.get("clip_high_threshold", 1 + trl.epsilon),
     )

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hanzo_gym.engine import Datum
+from hanzo_gym.records import Datum, ModelInput
 
 STD_EPS = 1e-4  # TRL's: keeps a near-constant group from exploding its advantages
 
@@ -59,7 +59,7 @@ def rl_datum(
     tokens = [*prompt, *completion]
     prompt_targets = len(prompt) - 1
     return Datum(
-        model_input=tokens[:-1],
+        model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
             "target_tokens": tokens[1:],
             "logprobs": [0.0] * prompt_targets + list(sampled_logprobs),

@@ -392,7 +392,7 @@ def _clear_previous_outputs(output_dir: Path) -> list[str]:
 def _record_base_model(adapter_dir: Path, name: str) -> None:
     """Name the hub model in adapter_config.json instead of the job-local MODEL_DIR path, so that
     `AutoPeftModelForCausalLM.from_pretrained(adapter)` works after the job's volume is gone."""
-    from hanzo_gym.rundir import atomic_write_text
+    from hanzo_gym.files import atomic_write_text
 
     path = adapter_dir / "adapter_config.json"
     config = json.loads(path.read_text())
@@ -403,8 +403,8 @@ def _record_base_model(adapter_dir: Path, name: str) -> None:
 def _publish_merged(job: TrainJob) -> None:
     """Write the merged model into OUTPUT_DIR: built in a hidden staging folder, then each file renamed into
     place, config.json last, so that a crash never leaves something that loads as a half-written model."""
-    from hanzo_gym.merge import merged_from
-    from hanzo_gym.rundir import publish_files_into
+    from hanzo_gym.cli.merge import merged_from
+    from hanzo_gym.files import publish_files_into
 
     model, tokenizer = merged_from(job.config, job.adapter_dir)
 
@@ -425,8 +425,8 @@ def _readable_by_all(directory: Path) -> None:
 
 def run_trainjob(job: TrainJob) -> None:
     """Train (on every process under torchrun), then on rank 0 write the adapter and the merged model."""
-    from hanzo_gym.distributed import init_from_env, is_main, shutdown
-    from hanzo_gym.train import run_training
+    from hanzo_gym.engine.distributed import init_from_env, is_main, shutdown
+    from hanzo_gym.loops.train import run_training
 
     init_from_env()
     try:

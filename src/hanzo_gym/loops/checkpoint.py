@@ -1,4 +1,5 @@
-"""What a resumable checkpoint holds: the adapter (a PEFT folder), the optimizer moments, the RNG state and
+"""What a resumable checkpoint holds: the engine's state (the adapter as a PEFT folder and the optimizer's
+moments, in the format of `engine.state_files`, which the Tinker client reads too), the RNG state and
 where training stood (step, epoch, next accumulation window), plus a fingerprint of the data plan so that a
 resume with different data or batch settings fails instead of silently diverging."""
 
@@ -9,15 +10,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from hanzo_gym.config import Config
-from hanzo_gym.distributed import gather_objects, is_main
 from hanzo_gym.engine import Engine
+from hanzo_gym.engine.distributed import gather_objects, is_main
+from hanzo_gym.engine.state_files import (
+    LEGACY_TRAINER_FILE,
+    load_engine_state,
+    read_legacy,
+    save_engine_state,
+)
 from hanzo_gym.errors import GymError
-from hanzo_gym.model.lora import load_adapter_weights, save_adapter
-from hanzo_gym.rundir import TRAINER_STATE, RunDir
+from hanzo_gym.loops.run_dir import TRAINER_STATE, RunDir
 
-TRAINING_STATE = "training_state.pt"
+RNG_FILE = "rng_state.safetensors"  # torch's generator states, so dropout and sampling continue exactly
 
 
 @dataclass
@@ -44,15 +51,8 @@ def adapter_fingerprint(cfg: Config) -> dict:
 
 
 def write_checkpoint(directory: Path, engine: Engine, position: TrainerPosition) -> None:
-    save_adapter(engine.model, directory)
-    torch.save(
-        {
-            "optimizer": engine.optimizer.state_dict(),
-            "cpu_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        },
-        directory / TRAINING_STATE,
-    )
+    save_engine_state(engine, directory)
+    save_file(_rng_tensors(), str(directory / RNG_FILE))
     # Written last: its presence is what marks the folder as a complete checkpoint.
     (directory / TRAINER_STATE).write_text(json.dumps(asdict(position), indent=2) + "\n")
 
@@ -72,13 +72,28 @@ def read_checkpoint(directory: Path, engine: Engine, plan: dict) -> TrainerPosit
             f"cannot resume from {directory}: these settings differ from the checkpoint's ({details}); "
             "resume with the checkpoint's settings, or start a new output_dir"
         )
-    load_adapter_weights(engine.model, directory)
-    saved = torch.load(directory / TRAINING_STATE, weights_only=False)
-    engine.optimizer.load_state_dict(saved["optimizer"])
-    torch.set_rng_state(saved["cpu_rng"])
-    if saved["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda_rng"])
+    load_engine_state(engine, directory)
+    _restore_rng(directory)
     return position
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    tensors = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda.{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())})
+    return tensors
+
+
+def _restore_rng(directory: Path) -> None:
+    if (directory / RNG_FILE).is_file():
+        tensors = load_file(str(directory / RNG_FILE))
+        cuda = [tensors[f"cuda.{i}"] for i in range(len(tensors) - 1)]
+    else:  # a checkpoint from before the shared format
+        legacy = read_legacy(directory / LEGACY_TRAINER_FILE)
+        tensors, cuda = {"cpu": legacy["cpu_rng"]}, legacy["cuda_rng"] or []
+    torch.set_rng_state(tensors["cpu"])
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def starting_position(engine: Engine, run: RunDir, plan: dict, resume_from: Path | None) -> TrainerPosition:

@@ -10,9 +10,9 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
 from hanzo_gym.errors import GymError
+from hanzo_gym.files import publish_directory
 from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, resolve_model
 from hanzo_gym.model.lora import merged_model
-from hanzo_gym.rundir import publish_directory
 
 
 def adapter_directory(cfg: Config, checkpoint: str | None) -> Path:

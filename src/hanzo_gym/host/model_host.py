@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import threading
 import warnings
 from collections.abc import Iterator
@@ -18,16 +17,11 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.utils import get_peft_model_state_dict
-from safetensors.torch import load_file, save_file
 
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError, ModelError
 from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, model_key, pick_device_and_dtype
-from hanzo_gym.model.lora import linear_layer_paths, set_adapter_weights
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+from hanzo_gym.model.lora import adapter_weights, linear_layer_paths, read_adapter, set_adapter_weights
 
 
 class ModelHost:
@@ -99,24 +93,11 @@ class ModelHost:
 
     def weights(self, name: str) -> dict[str, torch.Tensor]:
         """A CPU copy of adapter `name`'s weights, keyed as in adapter_model.safetensors."""
-        with self.lock, warnings.catch_warnings():
-            # peft looks for the base's config.json to detect resized embeddings; hanzo-gym never resizes them.
-            warnings.filterwarnings("ignore", message="Could not find a config file")
-            state = get_peft_model_state_dict(self.model, adapter_name=name)
-            return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+        with self.lock:
+            return adapter_weights(self.model, name)
 
     def config(self, name: str) -> LoraConfig:
         return self.model.peft_config[name]
-
-    def save_adapter(self, name: str, directory: Path) -> None:
-        """Adapter `name` as a plain PEFT directory (what peft, transformers and vLLM load)."""
-        weights = self.weights(name)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(weights, str(directory / ADAPTER_WEIGHTS))
-        config = self.config(name).to_dict()
-        config["peft_type"] = "LORA"
-        config["target_modules"] = sorted(config["target_modules"] or [])
-        (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, default=str) + "\n")
 
     def retire(self, name: str) -> None:
         """Forget adapter `name` at the next operation. Safe from any thread, a finalizer included."""
@@ -153,18 +134,3 @@ class ModelHost:
             elif name in self.adapters:
                 kept.append(name)  # peft cannot delete the last adapter: it goes once another one exists
         self._retired.extend(kept)
-
-
-def read_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
-    directory = Path(directory)
-    config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
-    if not config_file.is_file() or not weights_file.is_file():
-        raise ModelError(
-            f"{directory} is not a PEFT adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
-        )
-    fields = json.loads(config_file.read_text())
-    if fields.get("peft_type", "LORA") != "LORA":
-        raise ModelError(f"{config_file}: peft_type {fields['peft_type']} is not LoRA")
-    known = set(LoraConfig.__dataclass_fields__)
-    config = LoraConfig(**{k: v for k, v in fields.items() if k in known and k != "peft_type"})
-    return config, load_file(str(weights_file))

@@ -10,32 +10,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.errors import GymError
-
-
-@dataclass
-class SamplingParams:
-    """Tinker's sampling parameters and defaults. `temperature` 0 is greedy decoding."""
-
-    max_tokens: int | None = None
-    seed: int | None = None
-    stop: str | Sequence[str] | Sequence[int] | None = None
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-
-
-@dataclass
-class SampledSequence:
-    tokens: list[int]  # the completion, including the stop token that ended it
-    logprobs: list[float]  # raw model log-probabilities of those tokens (not temperature-adjusted)
-    stop_reason: Literal["stop", "length"]
+from hanzo_gym.records import SampledSequence, SamplingParams
 
 
 def stop_lists(stop: SamplingParams.stop) -> tuple[list[int], list[str]]:

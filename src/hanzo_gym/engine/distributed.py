@@ -20,23 +20,11 @@ import torch
 import torch.distributed as dist
 
 from hanzo_gym.errors import GymError
+from hanzo_gym.launch import launched_world_size
 
 T = TypeVar("T")
 
 _ENV_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def launched_world_size(env: dict[str, str] | None = None) -> int:
-    """WORLD_SIZE as torchrun (and Kubeflow's torch plugin, through torchrun) sets it; 1 when unset."""
-    env = os.environ if env is None else env
-    raw = env.get("WORLD_SIZE", "").strip() or "1"
-    try:
-        size = int(raw)
-    except ValueError:
-        raise GymError(f"WORLD_SIZE={raw}: not an integer; launch with torchrun, which sets it") from None
-    if size < 1:
-        raise GymError(f"WORLD_SIZE={raw}: must be >= 1")
-    return size
 
 
 def init_from_env() -> bool:

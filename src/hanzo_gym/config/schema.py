@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
-from hanzo_gym.yaml_source import load_yaml_file
 
 LORA_LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

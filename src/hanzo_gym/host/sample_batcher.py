@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hanzo_gym.engine.sampling import sample_groups
 from hanzo_gym.errors import GymError
-from hanzo_gym.model.host import ModelHost
-from hanzo_gym.sampling import SampledSequence, SamplingParams, sample_groups
+from hanzo_gym.host.model_host import ModelHost
+from hanzo_gym.records import SampledSequence, SamplingParams
 
 MAX_PROMPTS_PER_BATCH = 64
 

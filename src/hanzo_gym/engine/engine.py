@@ -9,41 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from peft import LoraConfig
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hanzo_gym.distributed import sync_gradients
+from hanzo_gym.engine.distributed import sync_gradients
+from hanzo_gym.engine.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
+from hanzo_gym.engine.prefix_sharing import shared_layout
+from hanzo_gym.engine.sampling import sample_groups
+from hanzo_gym.engine.token_logprobs import token_logprobs
 from hanzo_gym.errors import GymError
-from hanzo_gym.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
-from hanzo_gym.prefix_sharing import shared_layout
-from hanzo_gym.sampling import SampledSequence, SamplingParams, sample_groups
-from hanzo_gym.token_logprobs import token_logprobs
-
-
-@dataclass
-class Datum:
-    """`model_input[t]` predicts `loss_fn_inputs["target_tokens"][t]`; every loss input has the input's length."""
-
-    model_input: list[int]
-    loss_fn_inputs: dict[str, torch.Tensor | list]
-
-    def __len__(self) -> int:
-        return len(self.model_input)
-
-
-@dataclass
-class AdamParams:
-    """Tinker's defaults. `grad_clip_norm` 0 disables clipping; weight decay is decoupled (AdamW)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+from hanzo_gym.model.lora import adapter_weights, set_adapter_weights
+from hanzo_gym.records import AdamParams, Datum, SampledSequence, SamplingParams, TensorData
 
 
 @dataclass
@@ -69,7 +50,10 @@ class Engine:
         self.logprob_chunk = logprob_chunk
         # Captured now: a model host may later add adapters whose parameters belong to other engines.
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0) if self.trainable else None
+        # The adapter this engine trains (a host's model carries several; the active one is this engine's).
+        self.adapter_name: str | None = getattr(model, "active_adapter", None) if self.trainable else None
+        self.optimizer: torch.optim.AdamW | None = None
+        self.reset_optimizer()
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = causal_lm.config
         scaled = [
@@ -96,17 +80,20 @@ class Engine:
     def forward(self, datums: list[Datum], reference: bool = False) -> list[torch.Tensor]:
         """Per-token log-probabilities of each datum's targets; no gradients, dropout off. `reference=True`
         scores with the adapter disabled: the frozen base model, the reference of a KL penalty."""
-        was_training = self.model.training
-        self.model.eval()
+        check_datums(datums)
         logprobs: list[torch.Tensor] = []
-        try:
-            with torch.no_grad(), self._adapter_disabled() if reference else contextlib.nullcontext():
-                for group in self._passes(datums):
-                    logprobs_N, _ = self._packed_logprobs(group)
-                    logprobs.extend(logprobs_N.cpu().split([len(d) for d in group]))
-        finally:
-            self.model.train(was_training)
+        with self._scoring(), self._adapter_disabled() if reference else contextlib.nullcontext():
+            for group in self._passes(datums):
+                logprobs_N, _ = self._packed_logprobs(group)
+                logprobs.extend(logprobs_N.cpu().split([len(d) for d in group]))
         return logprobs
+
+    def forward_loss(
+        self, datums: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
+    ) -> ForwardBackwardOutput:
+        """What `forward_backward` returns, with no gradient and dropout off (Tinker's `forward`)."""
+        with self._scoring():
+            return self._scored_passes(datums, loss_fn, loss_fn_config, backward=False)
 
     def forward_backward(
         self, datums: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
@@ -115,10 +102,16 @@ class Engine:
         policy's per-token entropies."""
         if not self.trainable:
             raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
+        self.model.train()
+        return self._scored_passes(datums, loss_fn, loss_fn_config, backward=True)
+
+    def _scored_passes(
+        self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None, backward: bool
+    ) -> ForwardBackwardOutput:
         if loss_fn not in LOSS_FNS:
             raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
+        check_datums(datums)
         check_loss_inputs(datums, loss_fn)
-        self.model.train()
         loss_sum = 0.0
         logprobs: list[torch.Tensor] = []
         entropies: list[torch.Tensor] = []
@@ -128,7 +121,8 @@ class Engine:
             inputs = {key: self._concat(group, key, torch.float32) for key in keys}
             logprobs_N, entropy_N = self._packed_logprobs(group)
             loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
-            loss.backward()
+            if backward:
+                loss.backward()
             loss_sum += loss.item()
             lengths = [len(d) for d in group]
             logprobs.extend(logprobs_N.detach().cpu().split(lengths))
@@ -136,6 +130,50 @@ class Engine:
         return ForwardBackwardOutput(
             loss_sum=loss_sum, logprobs=logprobs, metrics={"loss:sum": loss_sum}, entropies=entropies
         )
+
+    # -- state: what a checkpoint holds -------------------------------------------------------------------
+    @property
+    def adapter_config(self) -> LoraConfig:
+        return self.model.peft_config[self._require_adapter()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What training continues from: `adapter` (CPU copies of the weights, keyed as in
+        adapter_model.safetensors) and `optimizer` (torch's AdamW state dict)."""
+        return {
+            "adapter": adapter_weights(self.model, self._require_adapter()),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state["adapter"]` and, when present, `state["optimizer"]`; without it the optimizer starts
+        fresh. Accumulated gradients are dropped either way."""
+        set_adapter_weights(self.model, state["adapter"], adapter_name=self._require_adapter())
+        if state.get("optimizer") is None:
+            self.reset_optimizer()
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def reset_optimizer(self) -> None:
+        """A fresh AdamW (no moments, step 0) over the adapter; gradients are dropped."""
+        for param in self.trainable:
+            param.grad = None
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0) if self.trainable else None
+
+    def _require_adapter(self) -> str:
+        if self.adapter_name is None:
+            raise GymError("this engine trains no adapter: there is no state to save or load")
+        return self.adapter_name
+
+    @contextlib.contextmanager
+    def _scoring(self) -> Iterator[None]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
 
     def sample(
         self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
@@ -158,17 +196,12 @@ class Engine:
         generator = torch.Generator().manual_seed(0)
         vocab = self._output_weight.shape[0]
         datums = [
-            Datum(tokens, {"target_tokens": tokens})
+            Datum.from_tokens(tokens, target_tokens=tokens)
             for tokens in (torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (6, 4))
         ]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                packed = self._packed_logprobs(datums)[0].split([6, 4])
-                alone = [self._packed_logprobs([datum])[0] for datum in datums]
-        finally:
-            self.model.train(was_training)
+        with self._scoring():
+            packed = self._packed_logprobs(datums)[0].split([6, 4])
+            alone = [self._packed_logprobs([datum])[0] for datum in datums]
         quantized = any(not p.is_floating_point() for p in self.model.parameters())  # a 4-bit (QLoRA) base
         tolerance = 1e-3 if self._output_weight.dtype == torch.float32 and not quantized else 5e-2
         return all(torch.allclose(a, b, atol=tolerance, rtol=tolerance) for a, b in zip(packed, alone))
@@ -179,8 +212,6 @@ class Engine:
         groups: list[list[Datum]] = []
         used = self.max_tokens_per_pass
         for datum in datums:
-            if len(datum) < 1:
-                raise GymError("every datum needs at least one input token")
             if used + len(datum) > self.max_tokens_per_pass or not self.packs_datums:
                 groups.append([])
                 used = 0
@@ -195,7 +226,11 @@ class Engine:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
         blocks that never cross datums (it infers them only when no cache is passed)."""
         targets = self._concat(datums, "target_tokens", torch.long)
-        shared = shared_layout([d.model_input for d in datums], self.device) if self.packs_datums else None
+        shared = (
+            shared_layout([d.model_input.to_ints() for d in datums], self.device)
+            if self.packs_datums
+            else None
+        )
         if shared is not None:
             output = self._decoder(
                 input_ids=shared.tokens[None],
@@ -205,7 +240,7 @@ class Engine:
             )
             hidden = output.last_hidden_state[0].index_select(0, shared.index)
             return token_logprobs(hidden, self._output_weight, targets, self.logprob_chunk)
-        tokens = torch.tensor([t for d in datums for t in d.model_input], device=self.device)
+        tokens = torch.tensor([t for d in datums for t in d.model_input.to_ints()], device=self.device)
         positions = torch.cat([torch.arange(len(d), device=self.device) for d in datums])[None]
         # A lone datum takes the model's own default positions (some, like OPT, offset them internally).
         output = self._decoder(
@@ -245,11 +280,31 @@ def default_tokens_per_pass(device: torch.device) -> int:
     return 16384 if device.type == "cuda" else 512
 
 
-def _as_tensor(value: torch.Tensor | list, dtype: torch.dtype, length: int) -> torch.Tensor:
-    tensor = value.to(dtype) if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=dtype)
-    if tensor.shape != (length,):
+def _as_tensor(value: TensorData, dtype: torch.dtype, length: int) -> torch.Tensor:
+    tensor = torch.tensor(value.data, dtype=dtype)
+    if tensor.shape != (length,):  # check_datums has named the datum already; this guards direct callers
         raise GymError(f"a loss input has shape {tuple(tensor.shape)}; expected ({length},) like model_input")
     return tensor
+
+
+def check_datums(datums: list[Datum]) -> None:
+    """GymError naming the datum and the input unless every datum has tokens and target_tokens, and every
+    loss input has the model input's length."""
+    for index, datum in enumerate(datums):
+        if not isinstance(datum, Datum):
+            raise GymError(f"datum {index} is a {type(datum).__name__}; build it with types.Datum(...)")
+        length = len(datum)
+        if length < 1:
+            raise GymError(f"datum {index}: every datum needs at least one input token")
+        if "target_tokens" not in datum.loss_fn_inputs:
+            raise GymError(f"datum {index} has no loss_fn_inputs[`target_tokens`]")
+        for key, value in datum.loss_fn_inputs.items():
+            shape = tuple(value.shape) if value.shape is not None else (len(value.data),)
+            if shape != (length,):
+                raise GymError(
+                    f"datum {index}: loss_fn_inputs[`{key}`] has shape {shape}, but model_input has {length} "
+                    "tokens; every input is aligned with model_input (target t = token t+1)"
+                )
 
 
 def check_loss_inputs(datums: list[Datum], loss_fn: str) -> None:

@@ -1,0 +1,5 @@
+import sys
+
+from hanzo_gym.cli import main
+
+sys.exit(main())

@@ -1,0 +1,112 @@
+"""The one on-disk form of an engine's state, shared by `gym train` checkpoints and the Tinker client's
+`save_state`: a plain PEFT adapter directory (adapter_config.json + adapter_model.safetensors) plus, for a
+resumable state, `optimizer.safetensors` (AdamW's moments and step counts as tensors, its hyperparameters as
+JSON in the header).
+
+Nothing here unpickles: safetensors and JSON hold only numbers and text, so a checkpoint handed over by
+someone else cannot run code when it is loaded. States written before this format (`training_state.pt` by
+`gym train`, `optimizer.pt` by the Tinker client) still load, through torch's tensors-only loader.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from hanzo_gym.engine.engine import Engine
+from hanzo_gym.errors import GymError
+from hanzo_gym.model.lora import read_adapter, write_adapter
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_FORMAT = "hanzo-gym-adamw/1"
+LEGACY_TRAINER_FILE = "training_state.pt"  # gym train before the shared format: {"optimizer": …, rng states}
+LEGACY_CLIENT_FILE = "optimizer.pt"  # the Tinker client before it: the optimizer's state dict alone
+
+
+def save_engine_state(engine: Engine, directory: Path, with_optimizer: bool = True) -> None:
+    state = engine.state_dict()
+    write_adapter(directory, engine.adapter_config, state["adapter"])
+    if with_optimizer:
+        tensors, header = optimizer_to_tensors(state["optimizer"])
+        save_file(tensors, str(directory / OPTIMIZER_FILE), metadata=header)
+
+
+def load_engine_state(engine: Engine, directory: Path, with_optimizer: bool = True) -> None:
+    """Restore the adapter (and the optimizer, unless `with_optimizer` is False: then it starts fresh)."""
+    _, weights = read_adapter(directory)
+    optimizer = read_optimizer_state(directory) if with_optimizer else None
+    engine.load_state_dict({"adapter": weights, "optimizer": optimizer})
+
+
+def has_optimizer_state(directory: Path) -> bool:
+    return any(
+        (directory / name).is_file() for name in (OPTIMIZER_FILE, LEGACY_TRAINER_FILE, LEGACY_CLIENT_FILE)
+    )
+
+
+def optimizer_to_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """torch's optimizer state dict → flat tensors `state.<param>.<key>` and a JSON header."""
+    tensors = {}
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                raise GymError(f"optimizer state {key!r} of parameter {index} is not a tensor")
+            tensors[f"state.{index}.{key}"] = value.detach().to("cpu").contiguous()
+    header = {"format": OPTIMIZER_FORMAT, "param_groups": json.dumps(state["param_groups"])}
+    return tensors, header
+
+
+def tensors_to_optimizer(tensors: dict[str, torch.Tensor], header: dict[str, str], source: Path) -> dict:
+    if header.get("format") != OPTIMIZER_FORMAT:
+        raise GymError(f"{source}: not a hanzo-gym optimizer state (format {header.get('format')!r})")
+    groups = json.loads(header["param_groups"])
+    for group in groups:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        _, index, key = name.split(".", 2)
+        state.setdefault(int(index), {})[key] = tensor
+    return {"state": state, "param_groups": groups}
+
+
+def read_optimizer_state(directory: Path) -> dict:
+    """The optimizer state dict saved in `directory`, in the current format or a legacy one."""
+    path = directory / OPTIMIZER_FILE
+    if path.is_file():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as handle:
+                header = handle.metadata() or {}
+            return tensors_to_optimizer(load_file(str(path)), header, path)
+        except (SafetensorError, OSError, ValueError, KeyError) as exc:
+            raise GymError(f"{path}: unreadable optimizer state ({exc}); the checkpoint is damaged") from None
+    legacy = directory / LEGACY_TRAINER_FILE
+    if legacy.is_file():
+        return read_legacy(legacy)["optimizer"]
+    legacy = directory / LEGACY_CLIENT_FILE
+    if legacy.is_file():
+        return read_legacy(legacy)
+    raise GymError(
+        f"{directory} holds no optimizer state (a sampler checkpoint or a final adapter?); save it with "
+        "save_state, or load it as weights only"
+    )
+
+
+def read_legacy(path: Path) -> Any:
+    """A `.pt` file of an older hanzo-gym, read with torch's tensors-only loader (no code runs)."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        raise GymError(
+            f"{path}: refused: it holds more than tensors and plain values, so loading it could run code "
+            f"({str(exc).splitlines()[0]}). hanzo-gym never writes such a file; if you trust it, load it "
+            "yourself and re-save the state with a current hanzo-gym"
+        ) from None

@@ -1,0 +1,141 @@
+"""What every training loop does around its optimizer steps, written once: resume from a checkpoint, keep the
+logging window, log a row every `logging_steps`, evaluate, save checkpoints.
+
+A loop computes its step and hands the step's values to `LoopTail.finish_step`, with a function that turns
+the window into the logged row (SFT divides summed NLL by summed tokens; GRPO averages every metric over the
+window's steps, as TRL does). The window travels inside checkpoints, so a resumed run logs the rows an
+uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hanzo_gym.config import Config
+from hanzo_gym.engine import Engine
+from hanzo_gym.loops.checkpoint import TrainerPosition, starting_position, write_checkpoint
+from hanzo_gym.loops.run_dir import Progress, RunDir
+
+
+@dataclass
+class StepWindow:
+    """The steps since the last logged row: each value's running sum, how many steps gave it, and the
+    values of the newest step."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+
+    def add(self, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+            self.counts[key] = self.counts.get(key, 0) + 1
+        self.last = dict(values)
+
+    def means(self) -> dict[str, float]:
+        return {key: total / self.counts[key] for key, total in self.sums.items()}
+
+    @classmethod
+    def restore(cls, saved: dict) -> StepWindow:
+        if saved and "sums" not in saved:  # an SFT checkpoint from before the shared tail: its sums alone
+            return cls(sums=dict(saved), counts=dict.fromkeys(saved, 1))
+        return cls(**saved)
+
+
+@dataclass
+class StepPlace:
+    """Where a finished step sits: `index` of `steps_in_epoch` steps in epoch `epoch` (0-based)."""
+
+    epoch: int
+    index: int
+    steps_in_epoch: int
+
+    @property
+    def progress(self) -> float:
+        return round(self.epoch + (self.index + 1) / self.steps_in_epoch, 4)
+
+    @property
+    def ends_epoch(self) -> bool:
+        return self.index == self.steps_in_epoch - 1
+
+    @property
+    def following(self) -> tuple[int, int]:
+        """(epoch, index) of the step after this one."""
+        return (self.epoch + 1, 0) if self.ends_epoch else (self.epoch, self.index + 1)
+
+
+class LoopTail:
+    """`evaluate()` scores the held-out data (None: nothing held out); `row(window)` makes the logged row's
+    metrics; `line(row)` the printed line."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        cfg: Config,
+        run: RunDir,
+        plan: dict,
+        total: int,
+        resume_from: Path | None,
+        evaluate: Callable[[], dict[str, float]] | None,
+        row: Callable[[StepWindow], dict[str, float]],
+        line: Callable[[dict], str],
+    ):
+        self.engine, self.cfg, self.run, self.plan, self.total = engine, cfg, run, plan, total
+        self._evaluate, self._row, self._line = evaluate, row, line
+        self.position = starting_position(engine, run, plan, resume_from)
+        self.step = self.position.step
+        self.window = StepWindow.restore(self.position.log_window)
+        self.progress = Progress(total, self.step)
+        self.say = self.progress.say
+        self.started = time.perf_counter()
+        self.last_eval: dict[str, float] | None = None
+        if self._evaluate is not None and self.step == 0:
+            self.evaluate(0.0)  # the base model's score: the number training has to beat
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total
+
+    def first_index(self, epoch: int) -> int:
+        """Where `epoch` starts: mid-epoch when the run resumed into it."""
+        return self.position.window if epoch == self.position.epoch else 0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def evaluate(self, epoch_progress: float) -> dict[str, float]:
+        result = self._evaluate()
+        self.run.log({"step": self.step, "epoch": epoch_progress, **result, "elapsed_s": self.elapsed()})
+        scores = " ".join(f"{key} {value:.4f}" for key, value in result.items())
+        self.say(f"eval step {self.step} epoch {epoch_progress:.2f} {scores}")
+        self.last_eval = result
+        return result
+
+    def finish_step(self, values: dict[str, float], place: StepPlace) -> None:
+        """Count the step, add its values to the window, and log, evaluate and save as the config says."""
+        cfg = self.cfg
+        self.step += 1
+        self.progress.advance()
+        self.window.add(values)
+        if self.step % cfg.logging_steps == 0 or self.done:
+            row = {"step": self.step, "epoch": place.progress, **self._row(self.window)}
+            row["elapsed_s"] = self.elapsed()
+            self.run.log(row)
+            self.say(self._line(row))
+            self.window = StepWindow()
+        periodic = cfg.eval_steps and self.step % cfg.eval_steps == 0
+        if self._evaluate is not None and (periodic or place.ends_epoch or self.done):
+            self.evaluate(place.progress)
+        if cfg.save_steps and self.step % cfg.save_steps == 0:
+            epoch, index = place.following
+            mark = TrainerPosition(self.step, epoch, index, self.plan, log_window=asdict(self.window))
+            path = self.run.save_checkpoint(
+                self.step, place.progress, lambda d: write_checkpoint(d, self.engine, mark)
+            )
+            self.say(f"saved {path}")
+
+    def close(self) -> None:
+        self.progress.close()
