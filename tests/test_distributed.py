@@ -178,6 +178,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_processes_train_exactly_as_one_with_the_same_global_batch_and_rank_0_merges(
     tmp_path, word_base, chat_dir, monkeypatch
 ):
@@ -279,6 +280,7 @@ def _grpo_config(tmp_path, word_base, name: str, micro_batch_size: int) -> tuple
     return path, out
 
 
+@pytest.mark.slow
 def test_grpo_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_path, word_base, monkeypatch):
     # one process, 4 prompts per step, each prompt sampled with its own seed (see PER_PROMPT_SEEDS)
     one_yaml, one = _grpo_config(tmp_path, word_base, "one", micro_batch_size=4)
@@ -342,6 +344,7 @@ def _sft_config(tmp_path, word_base, chat_dir, name: str, grad_accum: int, **ext
     return path, out
 
 
+@pytest.mark.slow
 def test_a_run_interrupted_under_torchrun_resumes_to_the_uninterrupted_adapter(tmp_path, word_base, chat_dir):
     # uninterrupted: one process, 2 micro-batches of 2 per step (12 rows → 3 steps per epoch, 6 in all)
     whole_yaml, whole = _sft_config(tmp_path, word_base, chat_dir, "whole", grad_accum=2)

@@ -49,6 +49,7 @@ def _config(tmp_path, base, data, **overrides):
             cfg["trl"].update(value)
         else:
             cfg[key] = value
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "grpo.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -128,3 +129,21 @@ def test_eval_and_resume_match_an_uninterrupted_run(tmp_path, tiny_word_base, co
     assert sorted(again) == [4, 5, 6]
     for step, reward in again.items():
         assert reward == pytest.approx(full[step], abs=1e-9)
+
+
+def test_a_logged_row_is_the_mean_of_its_window(tmp_path, tiny_word_base, counting_prompts):
+    """With logging_steps 3 each row averages its three steps (the same steps a logging_steps 1 run logs
+    one by one), as TRL averages over its logging window; lr is the window's last."""
+    every = _config(tmp_path / "every", tiny_word_base, counting_prompts, max_steps=6)
+    assert main(["train", str(every)]) == 0
+    steps = [r for r in _rows(tmp_path / "every" / "run") if "reward" in r]
+    windowed = _config(tmp_path / "windowed", tiny_word_base, counting_prompts, max_steps=6, logging_steps=3)
+    assert main(["train", str(windowed)]) == 0
+    rows = [r for r in _rows(tmp_path / "windowed" / "run") if "reward" in r]
+    assert [r["step"] for r in rows] == [3, 6]
+    for row, window in zip(rows, (steps[:3], steps[3:])):
+        for key in ("reward", "reward_std", "loss", "grad_norm", "completions/mean_length", "entropy"):
+            given = [s[key] for s in window if key in s]  # a step with nothing to train has no entropy
+            assert row[key] == pytest.approx(sum(given) / len(given), rel=1e-9, abs=1e-12), key
+        assert row["lr"] == window[-1]["lr"]
+    assert len({round(s["reward"], 6) for s in steps[:3]}) > 1  # the steps differ: a mean, not a pick

@@ -11,7 +11,7 @@ import yaml
 
 from hanzo_gym.cli import main
 from hanzo_gym.cli.trainjob import dataset_files, trainjob_from_env
-from hanzo_gym.config import LORA_LINEAR_TARGETS, parse_config
+from hanzo_gym.config import parse_config
 from hanzo_gym.errors import ConfigError
 
 CHAT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -73,9 +73,7 @@ def test_defaults_match_the_broker(dirs):
     assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == (16, 32.0, 0.05)
     assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.num_epochs) == (2, 8, 3)
     assert (cfg.learning_rate, cfg.warmup_ratio, cfg.weight_decay) == (2e-4, 0.03, 0.01)
-    assert (
-        cfg.adapter == "lora" and cfg.lora_target_linear and cfg.lora_targets() == list(LORA_LINEAR_TARGETS)
-    )
+    assert cfg.adapter == "lora" and cfg.lora_target_linear and cfg.lora_target_modules == []
     assert cfg.bf16 == "auto" and cfg.gradient_checkpointing is False
     assert (cfg.lr_scheduler, cfg.seed, cfg.logging_steps, cfg.max_grad_norm) == ("cosine", 42, 10, 1.0)
     assert cfg.val_set_size == 0.0 and cfg.save_steps is None

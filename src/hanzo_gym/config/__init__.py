@@ -1,6 +1,6 @@
 """The run config: the schema of `gym train`'s YAML (`schema`) and the YAML reader that keeps line numbers
 (`yaml_source`). Loading and validating a config imports neither torch nor transformers."""
 
-from hanzo_gym.config.schema import LORA_LINEAR_TARGETS, Config, DatasetConfig, load_config, parse_config
+from hanzo_gym.config.schema import Config, DatasetConfig, load_config, parse_config
 
-__all__ = ["LORA_LINEAR_TARGETS", "Config", "DatasetConfig", "load_config", "parse_config"]
+__all__ = ["Config", "DatasetConfig", "load_config", "parse_config"]

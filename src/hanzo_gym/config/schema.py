@@ -14,8 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
 
-LORA_LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
@@ -99,14 +97,14 @@ class Config(_Strict):
     base_model: str
     tokenizer_config: str | None = None
     chat_template: str | None = None
-    datasets: list[DatasetConfig] = Field([], min_length=1)
+    datasets: list[DatasetConfig] = Field(min_length=1)
     val_set_size: float = Field(0.0, ge=0)
     output_dir: str
     sequence_len: int = Field(2048, gt=1)
     train_on_inputs: bool = False
     sample_packing: bool = False
 
-    adapter: Literal["none", "lora", "qlora"] = "none"
+    adapter: Literal["lora", "qlora", "none"]
     load_in_4bit: bool = (
         False  # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes), the adapter in full precision
     )
@@ -157,9 +155,7 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _cross_key_rules(self) -> Config:
         if self.adapter == "none":
-            raise ValueError(
-                "full fine-tuning (adapter: none, the default) is not supported yet; set `adapter: lora`"
-            )
+            raise ValueError("full fine-tuning (adapter: none) is not supported yet; set `adapter: lora`")
         if (self.adapter == "qlora") != self.load_in_4bit:
             raise ValueError(
                 "adapter: qlora and load_in_4bit: true go together (QLoRA: a LoRA adapter on a 4-bit base); "
@@ -184,9 +180,6 @@ class Config(_Strict):
                     f"{len(self.trl.reward_funcs)} trl.reward_funcs; give one weight per function"
                 )
         return self
-
-    def lora_targets(self) -> list[str]:
-        return list(LORA_LINEAR_TARGETS) if self.lora_target_linear else list(self.lora_target_modules)
 
     def warmup(self, total_steps: int) -> int:
         if self.warmup_steps is not None:

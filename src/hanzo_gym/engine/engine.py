@@ -8,6 +8,7 @@ attention that never crosses a datum's boundary.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -138,10 +139,11 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """What training continues from: `adapter` (CPU copies of the weights, keyed as in
-        adapter_model.safetensors) and `optimizer` (torch's AdamW state dict)."""
+        adapter_model.safetensors) and `optimizer` (a copy of torch's AdamW state dict: training on does not
+        change it, and loading it elsewhere shares no moment tensors with this engine)."""
         return {
             "adapter": adapter_weights(self.model, self._require_adapter()),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -152,7 +154,10 @@ class Engine:
             self.reset_optimizer()
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise GymError(f"the saved optimizer state does not fit this adapter ({exc})") from None
 
     def reset_optimizer(self) -> None:
         """A fresh AdamW (no moments, step 0) over the adapter; gradients are dropped."""

@@ -14,11 +14,13 @@ from hanzo_gym.records import Datum, ModelInput
 STD_EPS = 1e-4  # TRL's: keeps a near-constant group from exploding its advantages
 
 
-def group_advantages(rewards_G: Sequence[Sequence[float]], scaling: str) -> list[list[float]]:
+def group_advantages(rewards_P_G: Sequence[Sequence[float]], scaling: str) -> list[list[float]]:
     """A_i = r_i − mean(group); divided by the group's (or the whole batch's) unbiased std + 1e-4, or not."""
-    batch_std = statistics.stdev([r for g in rewards_G for r in g]) if sum(map(len, rewards_G)) > 1 else 0.0
+    batch_std = (
+        statistics.stdev([r for g in rewards_P_G for r in g]) if sum(map(len, rewards_P_G)) > 1 else 0.0
+    )
     advantages = []
-    for group in rewards_G:
+    for group in rewards_P_G:
         mean = sum(group) / len(group)
         scale = 1.0
         if scaling == "group":
