@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from hanzo_gym.engine.engine import Engine
@@ -38,16 +38,11 @@ def save_engine_state(engine: Engine, directory: Path, with_optimizer: bool = Tr
 
 
 def load_engine_state(engine: Engine, directory: Path, with_optimizer: bool = True) -> None:
-    """Restore the adapter (and the optimizer, unless `with_optimizer` is False: then it starts fresh)."""
+    """Restore the adapter (and the optimizer, unless `with_optimizer` is False: then it starts fresh). Every
+    file is read before the engine changes, so a missing optimizer state leaves the engine as it was."""
     _, weights = read_adapter(directory)
     optimizer = read_optimizer_state(directory) if with_optimizer else None
     engine.load_state_dict({"adapter": weights, "optimizer": optimizer})
-
-
-def has_optimizer_state(directory: Path) -> bool:
-    return any(
-        (directory / name).is_file() for name in (OPTIMIZER_FILE, LEGACY_TRAINER_FILE, LEGACY_CLIENT_FILE)
-    )
 
 
 def optimizer_to_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -81,8 +76,6 @@ def read_optimizer_state(directory: Path) -> dict:
     path = directory / OPTIMIZER_FILE
     if path.is_file():
         try:
-            from safetensors import safe_open
-
             with safe_open(str(path), framework="pt") as handle:
                 header = handle.metadata() or {}
             return tensors_to_optimizer(load_file(str(path)), header, path)

@@ -21,9 +21,7 @@ from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
 from hanzo_gym.data.example import Example
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine.distributed import shard, sum_across, world_size
-from hanzo_gym.loops.checkpoint import (
-    adapter_fingerprint,
-)
+from hanzo_gym.loops.checkpoint import adapter_fingerprint
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import adam_params
 from hanzo_gym.loops.tail import LoopTail, StepPlace, StepWindow

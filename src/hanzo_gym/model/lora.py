@@ -97,10 +97,8 @@ def write_adapter(directory: str | Path, config: LoraConfig, weights: dict[str, 
     (directory / ADAPTER_CONFIG).write_text(json.dumps(fields, indent=2, default=str) + "\n")
 
 
-def read_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
-    """The config and weights of a PEFT LoRA adapter directory."""
-    from safetensors.torch import load_file
-
+def read_adapter_config(directory: str | Path) -> LoraConfig:
+    """The LoraConfig of a PEFT LoRA adapter directory (its weights are not read)."""
     directory = Path(directory)
     config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
     if not config_file.is_file() or not weights_file.is_file():
@@ -111,8 +109,15 @@ def read_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Ten
     if fields.get("peft_type", "LORA") != "LORA":
         raise ModelError(f"{config_file}: peft_type {fields['peft_type']} is not LoRA")
     known = set(LoraConfig.__dataclass_fields__)
-    config = LoraConfig(**{k: v for k, v in fields.items() if k in known and k != "peft_type"})
-    return config, load_file(str(weights_file))
+    return LoraConfig(**{k: v for k, v in fields.items() if k in known and k != "peft_type"})
+
+
+def read_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """The config and weights of a PEFT LoRA adapter directory."""
+    from safetensors.torch import load_file
+
+    config = read_adapter_config(directory)
+    return config, load_file(str(Path(directory) / ADAPTER_WEIGHTS))
 
 
 def set_adapter_weights(

@@ -13,9 +13,10 @@ import torch
 from peft import LoraConfig
 
 from hanzo_gym.errors import GymError
-from hanzo_gym.host.model_host import ModelHost, read_adapter
+from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.host.sample_batcher import SampleBatcher
 from hanzo_gym.model.hub import model_key
+from hanzo_gym.model.lora import read_adapter, read_adapter_config
 from hanzo_gym.tinker.paths import default_root, resolve
 from hanzo_gym.tinker.sampling_client import SamplingClient
 from hanzo_gym.tinker.training_client import TrainingClient
@@ -178,7 +179,7 @@ class ServiceClient:
 
     def _from_state(self, path: str, base_model: str | None, with_optimizer: bool) -> TrainingClient:
         directory = resolve(path, self.root)
-        config, _ = read_adapter(directory)
+        config = read_adapter_config(directory)
         host, _ = self._host(base_model or _base_of(config, path))
         name = host.new_name("train")
         host.add_adapter(name, LoraConfig(**{**config.to_dict(), "inference_mode": False}))

@@ -16,12 +16,12 @@ from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.engine import Engine, check_datums
 from hanzo_gym.engine.losses import CONFIG_KEYS, LOSS_FNS
-from hanzo_gym.engine.state_files import has_optimizer_state, load_engine_state, save_engine_state
+from hanzo_gym.engine.state_files import load_engine_state, save_engine_state
 from hanzo_gym.errors import GymError
 from hanzo_gym.files import publish_directory
 from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.host.sample_batcher import SampleBatcher
-from hanzo_gym.model.lora import read_adapter
+from hanzo_gym.model.lora import read_adapter_config
 from hanzo_gym.records import AdamParams
 from hanzo_gym.tinker.futures import APIFuture, OrderedWorker
 from hanzo_gym.tinker.paths import checkpoint_path, resolve
@@ -268,17 +268,13 @@ class TrainingClient:
 
     def _load(self, path: str, with_optimizer: bool) -> LoadWeightsResponse:
         directory = resolve(path, self._root)
-        config, _ = read_adapter(directory)
+        config = read_adapter_config(directory)
         mine = self._host.config(self._adapter)
         shape = _adapter_shape(config)
         if shape != _adapter_shape(mine):
             raise GymError(
                 f"{path}: an adapter with {shape} does not fit this client's {_adapter_shape(mine)}; use "
                 "ServiceClient.create_training_client_from_state to start from it"
-            )
-        if with_optimizer and not has_optimizer_state(directory):
-            raise GymError(
-                f"{path} holds no optimizer state (a sampler checkpoint?); save it with save_state"
             )
         load_engine_state(self._engine, directory, with_optimizer)
         return LoadWeightsResponse(path=path)
