@@ -4,7 +4,9 @@ from peft.tuners.lora import LoraLayer
 from tiny_models import tiny_model
 
 from hanzo_gym.engine import Engine
-from hanzo_gym.engine.sampling import sample_groups
+from hanzo_gym.engine.decoding import decoding
+from hanzo_gym.engine.sampling import DecodeBatch, Prompt, sample_groups
+from hanzo_gym.errors import GymError
 from hanzo_gym.model.lora import attach_lora
 from hanzo_gym.records import Datum, ModelInput, SamplingParams
 
@@ -162,22 +164,93 @@ def test_models_with_scaled_logits_sample_from_their_own_head(word_tokenizer):
     torch.testing.assert_close(torch.tensor(greedy.logprobs), want, rtol=1e-4, atol=1e-4)
 
 
-def test_cancelled_prompts_stop_decoding_and_leave_the_others_untouched(policy, word_tokenizer):
+def _decode_alone(policy, tokenizer, prompt: Prompt) -> list:
+    [group] = sample_groups(policy, tokenizer, [prompt.tokens], prompt.num_samples, prompt.params)
+    return group
+
+
+def _assert_same_samples(got, want):
+    """Same tokens and stop reasons; the scores equal up to the float rounding of another batch shape."""
+    assert [(s.tokens, s.stop_reason) for s in got] == [(s.tokens, s.stop_reason) for s in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_that_join_a_running_batch_decode_as_they_would_alone(policy, word_tokenizer):
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    first = Prompt(PROMPTS[0], 2, greedy)
+    # Joining later, with a longer prompt (the running cache is padded), its own limit and its own stop token.
+    second = Prompt(PROMPTS[1], 1, SamplingParams(max_tokens=5, temperature=0))
+    stop_at = _decode_alone(policy, word_tokenizer, Prompt(PROMPTS[2], 1, greedy))[0].tokens[3]
+    third = Prompt(PROMPTS[2], 3, SamplingParams(max_tokens=9, temperature=0, stop=[stop_at]))
+    with decoding(policy):
+        batch = DecodeBatch(policy, word_tokenizer)
+        [first_job] = batch.add([first])
+        finished = []
+        for _ in range(3):
+            finished += batch.step()
+        second_job, third_job = batch.add([second, third])
+        assert batch.rows == 6
+        while batch.live_rows:
+            finished += batch.step()
+    assert set(finished) == {first_job, second_job, third_job}
+    for job in (first_job, second_job, third_job):
+        _assert_same_samples(job.sequences, _decode_alone(policy, word_tokenizer, job.prompt))
+    assert third_job.sequences[0].stop_reason == "stop" and len(third_job.sequences[0].tokens) <= 4
+    assert [len(s.tokens) for s in second_job.sequences] == [5]
+
+
+def test_a_greedy_row_beside_sampled_rows_stays_greedy(policy, word_tokenizer):
+    greedy = Prompt(PROMPTS[1], 1, SamplingParams(max_tokens=8, temperature=0))
+    sampled = Prompt(PROMPTS[0], 4, SamplingParams(max_tokens=8, temperature=1.0, top_k=5, top_p=0.9))
+    with decoding(policy):
+        batch = DecodeBatch(policy, word_tokenizer, seed=0)
+        greedy_job, sampled_job = batch.add([greedy, sampled])
+        while batch.live_rows:
+            batch.step()
+    _assert_same_samples(greedy_job.sequences, _decode_alone(policy, word_tokenizer, greedy))
+    assert len({tuple(s.tokens) for s in sampled_job.sequences}) > 1
+
+
+def test_finished_rows_leave_and_take_the_padding_only_they_needed(policy, word_tokenizer):
+    long_prompt = Prompt([5, 9, 11, 7] * 10, 1, SamplingParams(max_tokens=2, temperature=0))
+    short = [Prompt(PROMPTS[0], 1, SamplingParams(max_tokens=10, temperature=0)) for _ in range(2)]
+    with decoding(policy):
+        batch = DecodeBatch(policy, word_tokenizer)
+        jobs = batch.add([long_prompt, *short])
+        widths = []
+        while batch.live_rows:
+            batch.step()
+            widths.append(batch._mask.shape[1] if batch.live_rows else 0)
+    # The 40-token prompt left after 2 tokens: the two short rows go on in a cache sized for themselves.
+    assert widths[1] < len(long_prompt.tokens) and widths[-2] <= len(PROMPTS[0]) + 10
+    for job in jobs:
+        _assert_same_samples(job.sequences, _decode_alone(policy, word_tokenizer, job.prompt))
+
+
+def test_dropped_rows_stop_decoding_and_leave_the_others_untouched(policy, word_tokenizer):
     params = SamplingParams(max_tokens=10, temperature=0)
     alone = sample_groups(policy, word_tokenizer, PROMPTS, 2, params)
-    asked = []
+    with decoding(policy):
+        batch = DecodeBatch(policy, word_tokenizer)
+        jobs = batch.add([Prompt(p, 2, params) for p in PROMPTS])
+        for _ in range(3):
+            batch.step()
+        batch.drop(jobs[0])
+        while batch.live_rows:
+            batch.step()
+    assert not jobs[0].done and all(job.done for job in jobs[1:])
+    for got, want in zip(jobs[1:], alone[1:]):
+        _assert_same_samples(got.sequences, want)
 
-    def cancel_prompt_zero_from_step_three() -> list[int]:
-        asked.append(1)
-        return [0] if len(asked) > 3 else []
 
-    groups = sample_groups(
-        policy, word_tokenizer, PROMPTS, 2, params, cancelled_prompts=cancel_prompt_zero_from_step_three
-    )
-    assert [len(s.tokens) for s in groups[0]] == [min(3, len(s.tokens)) for s in alone[0]]
-    for got, want in zip(groups[1:], alone[1:]):  # same tokens; the scores up to the batch's float rounding
-        assert [s.tokens for s in got] == [s.tokens for s in want]
-        for a, b in zip(got, want):
-            torch.testing.assert_close(
-                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5
-            )
+def test_a_prompt_that_cannot_be_decoded_is_refused_before_the_batch_changes(policy, word_tokenizer):
+    with decoding(policy):
+        batch = DecodeBatch(policy, word_tokenizer)
+        batch.add([Prompt(PROMPTS[0], 1, SamplingParams(max_tokens=3))])
+        context = policy.config.max_position_embeddings
+        with pytest.raises(GymError, match="fills the model's context"):
+            batch.add([Prompt(PROMPTS[1], 1, SamplingParams()), Prompt([5] * context, 1, SamplingParams())])
+        with pytest.raises(GymError, match="temperature must be >= 0"):
+            batch.add([Prompt(PROMPTS[1], 1, SamplingParams(temperature=-1))])
+        assert batch.rows == 1

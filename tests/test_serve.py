@@ -17,7 +17,7 @@ import pytest
 
 from hanzo_gym import tinker
 from hanzo_gym.cli import main
-from hanzo_gym.host import sample_batcher
+from hanzo_gym.engine.sampling import DecodeBatch
 from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.renderers import get_renderer
 from hanzo_gym.serve import ServedModels, Server
@@ -287,19 +287,19 @@ def test_concurrent_requests_are_batched_and_each_answered_correctly(
         text_of(word_tokenizer, greedy(samplers[m], word_tokenizer(t)["input_ids"], 5)[0]) for m, t in jobs
     ]
 
-    calls = []
-    original = sample_batcher.sample_groups
+    admitted = []  # prompts per prefill
+    original = DecodeBatch.add
     batcher = server.models.batcher
 
-    def counting(model, tokenizer, prompts, *args, **kwargs):
-        if not calls:  # hold the first batch until every other request waits in the queue
+    def counting(self, prompts):
+        if not admitted:  # hold the first prefill until every other request waits in the queue
             deadline = time.monotonic() + 20
             while len(batcher._queue) + len(prompts) < len(jobs) and time.monotonic() < deadline:
                 time.sleep(0.005)
-        calls.append(len(prompts))
-        return original(model, tokenizer, prompts, *args, **kwargs)
+        admitted.append(len(prompts))
+        return original(self, prompts)
 
-    monkeypatch.setattr(sample_batcher, "sample_groups", counting)
+    monkeypatch.setattr(DecodeBatch, "add", counting)
     answers: list[str | None] = [None] * len(jobs)
 
     def ask(index: int) -> None:
@@ -313,9 +313,52 @@ def test_concurrent_requests_are_batched_and_each_answered_correctly(
     for thread in threads:
         thread.join(timeout=60)
     assert answers == expected
-    # Eight requests, two adapters: the first batch (whatever had arrived of one adapter), then what waited
-    # behind it, one batch per adapter.
-    assert sum(calls) == len(jobs) and len(calls) <= 3 and max(calls) == 4
+    # Eight requests, two adapters: the first prefill (whatever had arrived), then what waited behind it, one
+    # prefill per adapter, joining the running batch of its adapter.
+    assert sum(admitted) == len(jobs) and len(admitted) <= 3 and max(admitted) >= 3
+
+
+@pytest.mark.parametrize("short_model", ["base", "tuned"])
+def test_a_short_request_does_not_wait_for_a_long_one(
+    client, tiny_dir, engine, word_tokenizer, monkeypatch, short_model
+):
+    """The long request decodes 200 tokens at >= 5 ms a step; the short one, sent once it runs, joins its
+    batch (the same model) or takes turns with it (another adapter), and is answered long before it ends."""
+    short_model = tiny_dir if short_model == "base" else short_model
+    original = DecodeBatch.step
+    steps = []
+
+    def slow(self):
+        steps.append(self.rows)
+        time.sleep(0.005)
+        return original(self)
+
+    monkeypatch.setattr(DecodeBatch, "step", slow)
+    long_answer = {}
+
+    def ask_long() -> None:
+        reply = client.completions.create(
+            model=tiny_dir, prompt=[11, 12], max_tokens=200, temperature=0
+        )
+        long_answer["reply"] = reply
+
+    long_thread = threading.Thread(target=ask_long)
+    long_thread.start()
+    deadline = time.monotonic() + 20
+    while len(steps) < 5 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    reply = client.completions.create(model=short_model, prompt=LONG_TEXT, max_tokens=4, temperature=0)
+    steps_when_answered = len(steps)
+    long_thread.join(timeout=120)
+    assert steps_when_answered < 100, steps_when_answered  # of the long request's 200
+    assert long_answer["reply"].usage.completion_tokens == 200
+    sampler = engine.base if short_model == tiny_dir else engine.tuned
+    want = text_of(word_tokenizer, greedy(sampler, word_tokenizer(LONG_TEXT)["input_ids"], 4)[0])
+    assert reply.choices[0].text == want
+    long_alone = greedy(engine.base, [11, 12], 200)[0]
+    assert long_answer["reply"].choices[0].text == text_of(word_tokenizer, long_alone)
+    if short_model == tiny_dir:
+        assert max(steps) >= 2  # the short request's row decoded in the long request's batch
 
 
 def test_adapters_load_and_unload_while_serving(client, server, engine, monkeypatch):
@@ -343,57 +386,41 @@ def test_adapters_load_and_unload_while_serving(client, server, engine, monkeypa
     assert still.choices[0].message.content == expected.choices[0].message.content
 
 
+def _count_and_slow_steps(monkeypatch, seconds: float) -> list[int]:
+    """Each decode step of the server's sampler takes at least `seconds`; returns the rows of every step."""
+    original = DecodeBatch.step
+    steps: list[int] = []
+
+    def slow(self):
+        steps.append(self.live_rows)
+        time.sleep(seconds)
+        return original(self)
+
+    monkeypatch.setattr(DecodeBatch, "step", slow)
+    return steps
+
+
 def test_a_streaming_client_that_leaves_stops_its_sampling(client, tiny_dir, monkeypatch):
-    outcomes = []
-    original = sample_batcher.sample_groups
-
-    def slow(model, tokenizer, prompts, num_samples, params, on_step=None, **kwargs):
-        steps = []
-
-        def step(*args):
-            steps.append(1)
-            time.sleep(0.005)  # 200 tokens take a second: plenty of time to notice the client has gone
-            on_step(*args)
-
-        try:
-            result = original(
-                model, tokenizer, prompts, num_samples, params, on_step=on_step and step, **kwargs
-            )
-        except BaseException as exc:
-            outcomes.append((type(exc).__name__, len(steps)))
-            raise
-        outcomes.append(("done", len(steps)))
-        return result
-
-    monkeypatch.setattr(sample_batcher, "sample_groups", slow)
+    steps = _count_and_slow_steps(monkeypatch, 0.005)  # 200 tokens take a second: time to notice the leaving
     # Greedy from these two tokens runs all 200 tokens without an end.
     stream = client.completions.create(
         model=tiny_dir, prompt=[11, 12], max_tokens=200, temperature=0, stream=True
     )
     next(iter(stream))
     stream.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the sampler goes idle once the abandoned rows are dropped
+        before = len(steps)
+        time.sleep(0.1)
+        if len(steps) == before:
+            break
+    assert len(steps) < 100, len(steps)  # stopped long before its 200 tokens
     reply = client.completions.create(model=tiny_dir, prompt=LONG_TEXT, max_tokens=2, temperature=0)
     assert reply.choices[0].finish_reason == "length"
-    assert outcomes[0][0] == "done" and outcomes[0][1] < 100, outcomes  # stopped long before its 200 tokens
-    assert outcomes[1] == ("done", 0)  # the next request ran (batched, unfollowed)
 
 
-def test_a_client_that_hangs_up_on_a_batched_request_frees_the_sampler(server, client, tiny_dir, monkeypatch):
-    calls: list[list[int]] = []  # per sampler call: one entry per decoding step
-    original = sample_batcher.sample_groups
-
-    def slow(model, tokenizer, prompts, num_samples, params, cancelled_prompts=None, **kwargs):
-        steps: list[int] = []
-        calls.append(steps)
-
-        def check():
-            steps.append(1)
-            time.sleep(0.01)  # 200 tokens take two seconds: time enough to hang up part-way
-            return cancelled_prompts()
-
-        return original(model, tokenizer, prompts, num_samples, params, cancelled_prompts=check, **kwargs)
-
-    monkeypatch.setattr(sample_batcher, "sample_groups", slow)
+def test_a_client_that_hangs_up_frees_the_sampler(server, client, tiny_dir, monkeypatch):
+    steps = _count_and_slow_steps(monkeypatch, 0.01)  # 200 tokens take two seconds: time to hang up part-way
     body = json.dumps({"model": tiny_dir, "prompt": [11, 12], "max_tokens": 200, "temperature": 0}).encode()
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     connection.putrequest("POST", "/v1/completions")
@@ -402,10 +429,10 @@ def test_a_client_that_hangs_up_on_a_batched_request_frees_the_sampler(server, c
     connection.endheaders(body)
     time.sleep(0.3)
     connection.close()  # hung up before the answer
-    # The next request waits for the sampler: it answers once the abandoned one has stopped.
     reply = client.completions.create(model=tiny_dir, prompt=LONG_TEXT, max_tokens=2, temperature=0)
     assert reply.choices[0].finish_reason == "length"
-    assert 0 < len(calls[0]) < 120, len(calls[0])  # far from the 200 tokens it asked for
+    time.sleep(0.3)
+    assert 0 < len(steps) < 120, len(steps)  # far from the 200 tokens it asked for
 
 
 # -- bad requests ---------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from hanzo_gym import tinker
+from hanzo_gym.engine.sampling import DecodeBatch
 from hanzo_gym.errors import GymError
-from hanzo_gym.host import sample_batcher
 from hanzo_gym.tinker import types
 from hanzo_gym.tinker.paths import resolve
 from hanzo_gym.tinker.types.tensor_data import TensorData
@@ -268,22 +268,28 @@ def test_async_twins_double_await_and_keep_submission_order(service, tiny_dir):
 
 def test_concurrent_sample_requests_run_as_one_batch(service, tiny_dir, monkeypatch):
     sampler = service.create_sampling_client(base_model=tiny_dir)
-    calls = []
-    original = sample_batcher.sample_groups
+    admitted, widest = [], []
+    original_add, original_step = DecodeBatch.add, DecodeBatch.step
     gate = threading.Event()
 
-    def counting(model, tokenizer, prompts, *args, **kwargs):
-        gate.wait(5)  # hold the first batch so that the others queue up behind it
-        calls.append(len(prompts))
-        return original(model, tokenizer, prompts, *args, **kwargs)
+    def counting(self, prompts):
+        gate.wait(5)  # hold the first prefill so that the others queue up behind it
+        admitted.append(len(prompts))
+        return original_add(self, prompts)
 
-    monkeypatch.setattr(sample_batcher, "sample_groups", counting)
+    def measuring(self):
+        widest.append(self.live_rows)
+        return original_step(self)
+
+    monkeypatch.setattr(DecodeBatch, "add", counting)
+    monkeypatch.setattr(DecodeBatch, "step", measuring)
     params = types.SamplingParams(max_tokens=3)
     futures = [sampler.sample(types.ModelInput.from_ints(s[:2]), 2, params) for s in SENTENCES * 2]
     gate.set()
     results = [f.result(timeout=30) for f in futures]
     assert all(len(r.sequences) == 2 for r in results)
-    assert sum(calls) == 6 and len(calls) < 6
+    assert sum(admitted) == 6 and len(admitted) < 6
+    assert max(widest) >= 4  # rows of several requests in one decode step
 
 
 def test_bad_requests_fail_with_a_message_that_says_what_to_do(service, tiny_dir):

@@ -1,19 +1,25 @@
-"""Batched sampling with a KV cache: every prompt is prefilled once, its cache is repeated for the prompt's
-samples, and all samples of all prompts decode together, one forward pass per token.
+"""Batched sampling with a KV cache, rows joining and leaving between decode steps (continuous batching).
 
-The per-step bookkeeping is tensor work over the live rows; only rows whose new token could complete a stop
-string are decoded to text. Rows that finish are dropped from the batch (and the cache) in bulk.
+A row is one sample of one prompt. Prompts that join together are prefilled in one left-padded pass, once each,
+and their cache rows repeated for their samples; the new rows are then merged into the running batch by
+left-padding the shorter of the two KV caches. The padding is masked, and positions are explicit, so it changes
+no row's numbers. Every row has its own length limit, stops and sampling parameters. Finished rows ride along
+until a quarter of the batch has finished: dropping rows copies the cache, so it is done in bulk, and with it the
+padding columns no live row needs any more. Only rows whose new token could complete a stop string are decoded
+to text.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
+from hanzo_gym.engine.decoding import NextTokenLogits, decoding, draw, filtered_logits, stop_string_candidates
 from hanzo_gym.errors import GymError
 from hanzo_gym.records import SampledSequence, SamplingParams
 
@@ -32,255 +38,299 @@ def stop_lists(stop: SamplingParams.stop) -> tuple[list[int], list[str]]:
     return ids, strings
 
 
-def _filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k and top-p masks, on fp32 logits [rows, vocab]."""
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens ranked above it already cover top_p (the top token always stays)
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+@dataclass
+class Prompt:
+    """One prompt to decode `num_samples` times. `on_token(sample, token, logprobs)` hears each new token and the
+    raw log-probability distribution over the vocabulary it was drawn from, for streaming."""
+
+    tokens: list[int]
+    num_samples: int
+    params: SamplingParams
+    on_token: Callable[[int, int, torch.Tensor], None] | None = None
 
 
-@functools.lru_cache(maxsize=16)
-def _tokens_containing(tokenizer: PreTrainedTokenizerBase, characters: str) -> list[bool]:
-    """For every token id: does its text contain any of `characters`? (one batched decode per tokenizer)"""
-    texts = tokenizer.batch_decode([[token_id] for token_id in range(len(tokenizer))])
-    return [any(c in text for c in characters) for text in texts]
+class DecodeJob:
+    """A prompt admitted to a batch; `sequences[j]` is sample j once `done`."""
+
+    def __init__(self, prompt: Prompt, max_tokens: int, stop_ids: list[int], stop_strings: list[str]):
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.stop_ids = frozenset(stop_ids)
+        self.stop_strings = stop_strings
+        self._window = max((len(s) for s in stop_strings), default=0) + 8  # tokens of tail worth decoding
+        self.sequences: list[SampledSequence | None] = [None] * prompt.num_samples
+        self.unfinished = prompt.num_samples
+
+    @property
+    def done(self) -> bool:
+        return self.unfinished == 0
+
+    def ends_a_stop_string(self, tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> bool:
+        text = tokenizer.decode(tokens[-self._window :])
+        return any(s in text for s in self.stop_strings)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row by inverse-CDF: one uniform draw per row (torch.multinomial draws one per vocab entry)."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+class DecodeBatch:
+    """Rows decoding together on one model. Call `add` and `step` inside `decoding(model)`; nothing here locks:
+    one thread drives a batch."""
 
-
-@contextlib.contextmanager
-def _lora_folded(model: PreTrainedModel) -> Iterator[None]:
-    """Decode with each LoRA layer's ΔW folded into a temporary copy of its weight and the adapter branch off.
-
-    On CPU, decoding a few rows is bound by the number of matmul calls, and LoRA triples them. The base
-    weights are swapped for the copies and back, never changed in place, so the frozen base stays bit-exact.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    if not hasattr(model, "disable_adapter"):
-        yield
-        return
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.disable_adapters]
-    if any(not m.get_base_layer().weight.is_floating_point() for m in layers):
-        yield  # a quantized (QLoRA) base has no weight to fold into: decode with the adapter branch on
-        return
-    swapped = []
-    with torch.no_grad():
-        for module in layers:
-            adapters = [a for a in module.active_adapters if a in module.lora_A]
-            if not adapters:
-                continue
-            base = module.get_base_layer()
-            delta = sum(module.get_delta_weight(a) for a in adapters)
-            swapped.append((base, base.weight))
-            base.weight = torch.nn.Parameter(base.weight + delta.to(base.weight.dtype), requires_grad=False)
-    try:
-        with model.disable_adapter():
-            yield
-    finally:
-        for base, weight in swapped:
-            base.weight = weight
-
-
-class _NextTokenLogits:
-    """Each row's logits at its last position. With a plain output projection the decoder runs alone and the
-    logits are computed as (W · hᵀ)ᵀ: for a few rows against a vocabulary-sized W, that order streams W once and
-    runs about twice as fast on CPU as h · Wᵀ (bench/output_projection.py, SmolLM2's 49k×576 head at 8 rows:
-    7.6 vs 15.7 ms on 2 cores)."""
-
-    def __init__(self, model: PreTrainedModel):
-        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        head = causal_lm.get_output_embeddings()
-        scaled = any(
-            getattr(causal_lm.config, key, None)
-            for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
-        )
-        plain = isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
-        self._model = model
-        self._decoder = causal_lm.get_decoder() if plain else None
-        self._weight = head.weight
-
-    def __call__(self, **inputs: torch.Tensor | DynamicCache | bool) -> torch.Tensor:
-        if self._decoder is None:
-            return self._model(**inputs, logits_to_keep=1).logits[:, -1].float()
-        hidden = self._decoder(**inputs).last_hidden_state[:, -1]
-        return (self._weight @ hidden.T).T.float()
-
-
-class _StopStrings:
-    """Finds rows whose text now ends a stop string, decoding only rows whose newest token could finish one."""
-
-    def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, stops: list[str], vocab_size: int, device: torch.device
-    ):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int | None = None):
         self.tokenizer = tokenizer
-        self.stops = stops
-        self.candidates = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        if stops:
-            last_chars = "".join(sorted({s[-1] for s in stops if s}))
-            self.candidates[: len(tokenizer)] = torch.tensor(_tokens_containing(tokenizer, last_chars)).to(
-                device
+        self.device = next(model.parameters()).device
+        self._vocab = model.get_output_embeddings().weight.shape[0]
+        self._context: int | None = getattr(model.config, "max_position_embeddings", None)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed if seed is not None else torch.seed())
+        self.model: PreTrainedModel | None = None
+        self.bind(model)
+        self._clear()
+
+    def bind(self, model: PreTrainedModel) -> None:
+        """Decode through `model` from now on: the same weights, maybe wrapped anew (PEFT wraps the base model
+        when its first adapter is added)."""
+        if model is not self.model:
+            self.model = model
+            self._next_logits = NextTokenLogits(model)
+
+    def _clear(self) -> None:
+        self._cache: DynamicCache | None = None
+        self._mask = self._position = self._logits = None
+        self._job_of: list[DecodeJob] = []  # per row
+        self._sample_of: list[int] = []
+        self._tokens: list[list[int]] = []
+        self._logprobs: list[list[float]] = []
+        self._live: list[bool] = []
+        self.live_rows = 0
+        self._temperature = self._top_k = self._top_p = None
+        self._stop_ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._stop_candidates: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows in the batch, finished ones still riding along included: what a forward pass costs."""
+        return len(self._live)
+
+    def can_add(self) -> bool:
+        """Rows join a running batch by concatenating caches: only plain (full-length) cache layers allow it."""
+        return self._cache is None or all(type(layer) is DynamicLayer for layer in self._cache.layers)
+
+    # -- admission -------------------------------------------------------------------------------------------
+    def check(self, prompt: Prompt) -> DecodeJob:
+        """The job `prompt` becomes, or a GymError saying why it cannot be decoded."""
+        params = prompt.params
+        if not prompt.tokens:
+            raise GymError("every prompt needs at least one token")
+        if isinstance(prompt.num_samples, bool) or prompt.num_samples < 1:
+            raise GymError(f"num_samples must be a positive integer (got {prompt.num_samples!r})")
+        if params.temperature < 0:
+            raise GymError(f"temperature must be >= 0 (got {params.temperature})")
+        if params.max_tokens is not None and params.max_tokens < 1:
+            raise GymError(f"max_tokens must be at least 1 (got {params.max_tokens})")
+        if self._context is None:
+            if params.max_tokens is None:
+                raise GymError("max_tokens is needed: this model states no context length")
+            max_tokens = params.max_tokens
+        else:
+            room = self._context - len(prompt.tokens)
+            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+            if max_tokens < 1:
+                raise GymError(
+                    f"no room to sample: a prompt of {len(prompt.tokens)} tokens fills the model's context "
+                    f"of {self._context}"
+                )
+        stop_ids, stop_strings = stop_lists(params.stop)
+        if self.tokenizer.eos_token_id is not None:
+            stop_ids = [*stop_ids, self.tokenizer.eos_token_id]
+        return DecodeJob(prompt, max_tokens, stop_ids, stop_strings)
+
+    def add(self, prompts: Sequence[Prompt]) -> list[DecodeJob]:
+        """Prefill `prompts` (one pass for all of them) and merge their rows into the batch; they draw their
+        first token at the next `step`. Every prompt is checked before anything changes."""
+        jobs = [self.check(p) for p in prompts]
+        if not jobs:
+            return []
+        if not self.can_add():
+            raise GymError("this batch cannot take new rows (its cache is not a plain one); start another")
+        device = self.device
+        longest = max(len(p.tokens) for p in prompts)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(prompts), longest), pad, dtype=torch.long, device=device)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt.tokens) :] = torch.tensor(prompt.tokens, device=device)
+            mask[row, longest - len(prompt.tokens) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._next_logits(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        )
+        counts = torch.tensor([p.num_samples for p in prompts], device=device)
+        repeat = torch.repeat_interleave(torch.arange(len(prompts), device=device), counts)
+        cache.batch_select_indices(repeat)
+        new = (cache, mask[repeat], positions[repeat, -1:] + 1, logits[repeat])
+
+        if self._cache is None:
+            self._cache, self._mask, self._position, self._logits = new
+        else:
+            if self.live_rows < len(self._live):
+                self._keep(self._live_index())  # finished rows would be carried into the bigger batch
+            self._merge(*new)
+        for job in jobs:
+            for sample in range(job.prompt.num_samples):
+                self._job_of.append(job)
+                self._sample_of.append(sample)
+                self._tokens.append([])
+                self._logprobs.append([])
+                self._live.append(True)
+        self.live_rows += int(counts.sum())
+        self._refresh_row_settings()
+        return jobs
+
+    def _merge(
+        self, cache: DynamicCache, mask: torch.Tensor, position: torch.Tensor, logits: torch.Tensor
+    ) -> None:
+        width = max(self._mask.shape[1], mask.shape[1])
+
+        def left_pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
+            missing = width - t.shape[-dim_from_end]
+            return t if missing == 0 else F.pad(t, (0, 0) * (dim_from_end - 1) + (missing, 0))
+
+        for old, joining in zip(self._cache.layers, cache.layers):
+            old.keys = torch.cat([left_pad(old.keys, 2), left_pad(joining.keys, 2)])
+            old.values = torch.cat([left_pad(old.values, 2), left_pad(joining.values, 2)])
+        self._mask = torch.cat([left_pad(self._mask, 1), left_pad(mask, 1)])
+        self._position = torch.cat([self._position, position])
+        self._logits = torch.cat([self._logits, logits])
+
+    def _refresh_row_settings(self) -> None:
+        jobs = dict.fromkeys(self._job_of)  # distinct, in order
+        params = [job.prompt.params for job in self._job_of]
+        self._temperature = torch.tensor([p.temperature for p in params], device=self.device)
+        self._top_k = torch.tensor([p.top_k for p in params], device=self.device)
+        self._top_p = torch.tensor([p.top_p for p in params], device=self.device)
+        self._greedy = self._temperature == 0
+        self._all_greedy = bool(self._greedy.all())
+        stop_ids = sorted({i for job in jobs for i in job.stop_ids})
+        self._stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
+        strings = sorted({s for job in jobs for s in job.stop_strings})
+        self._stop_candidates = (
+            stop_string_candidates(self.tokenizer, strings, self._vocab, self.device) if strings else None
+        )
+
+    # -- leaving ---------------------------------------------------------------------------------------------
+    def drop(self, job: DecodeJob) -> None:
+        """Stop decoding `job`'s rows (nobody waits for them); it never becomes done."""
+        for row, owner in enumerate(self._job_of):
+            if owner is job and self._live[row]:
+                self._live[row] = False
+                self.live_rows -= 1
+        if self.live_rows == 0:
+            self._clear()
+
+    def _live_index(self) -> torch.Tensor:
+        return torch.tensor([r for r, live in enumerate(self._live) if live], device=self.device)
+
+    def _keep(self, index: torch.Tensor) -> None:
+        """Keep only the rows in `index`, and only the cache columns some kept row attends to."""
+        self._cache.batch_select_indices(index)
+        self._mask, self._position, self._logits = (
+            self._mask[index],
+            self._position[index],
+            self._logits[index],
+        )
+        kept = index.tolist()
+        for name in ("_job_of", "_sample_of", "_tokens", "_logprobs", "_live"):
+            values = getattr(self, name)
+            setattr(self, name, [values[r] for r in kept])
+        first_column = int(self._mask.any(0).int().argmax())
+        if first_column > 0 and self.can_add():
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[..., first_column:, :]
+                layer.values = layer.values[..., first_column:, :]
+            self._mask = self._mask[:, first_column:]
+        self._refresh_row_settings()
+
+    # -- decoding --------------------------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._all_greedy:
+            return logits.argmax(-1)
+        temperature = torch.where(self._greedy, 1.0, self._temperature)
+        probs = filtered_logits(logits, temperature, self._top_k, self._top_p).softmax(-1)
+        drawn = draw(probs, self._generator)
+        return torch.where(self._greedy, logits.argmax(-1), drawn) if self._greedy.any() else drawn
+
+    def step(self) -> list[DecodeJob]:
+        """Every live row draws one token; returns the jobs whose last row finished with it."""
+        if self.live_rows == 0:
+            return []
+        chosen = self._choose(self._logits)
+        step_logprobs = self._logits.log_softmax(-1)
+        chosen_logprobs = step_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+        stop_token = torch.isin(chosen, self._stop_ids).tolist()
+        could_end_string = (
+            self._stop_candidates[chosen].tolist() if self._stop_candidates is not None else None
+        )
+        finished = []
+        for row, token in enumerate(chosen.tolist()):
+            if not self._live[row]:
+                continue
+            job, sample, tokens = self._job_of[row], self._sample_of[row], self._tokens[row]
+            tokens.append(token)
+            self._logprobs[row].append(chosen_logprobs[row])
+            if job.prompt.on_token is not None:
+                job.prompt.on_token(sample, token, step_logprobs[row])
+            if (stop_token[row] and token in job.stop_ids) or (
+                could_end_string is not None
+                and could_end_string[row]
+                and job.ends_a_stop_string(self.tokenizer, tokens)
+            ):
+                reason = "stop"
+            elif len(tokens) >= job.max_tokens:
+                reason = "length"
+            else:
+                continue
+            self._live[row] = False
+            self.live_rows -= 1
+            job.sequences[sample] = SampledSequence(
+                tokens=tokens, logprobs=self._logprobs[row], stop_reason=reason
             )
-        self.window = max((len(s) for s in stops), default=0) + 8  # tokens of tail worth decoding
+            job.unfinished -= 1
+            if job.done:
+                finished.append(job)
+        if self.live_rows == 0:
+            self._clear()
+            return finished
+        if (len(self._live) - self.live_rows) * 4 >= len(self._live):
+            index = self._live_index()
+            chosen = chosen[index]
+            self._keep(index)
+        self._mask = torch.cat(
+            [self._mask, torch.ones((len(self._live), 1), dtype=self._mask.dtype, device=self.device)], dim=1
+        )
+        self._logits = self._next_logits(
+            input_ids=chosen[:, None],
+            attention_mask=self._mask,
+            position_ids=self._position,
+            cache=self._cache,
+            use_cache=True,
+        )
+        self._position = self._position + 1
+        return finished
 
-    def hits(
-        self, new_tokens: torch.Tensor, rows: torch.Tensor, history: torch.Tensor, step: int
-    ) -> torch.Tensor:
-        hit = torch.zeros_like(new_tokens, dtype=torch.bool)
-        if not self.stops:
-            return hit
-        for position in self.candidates[new_tokens].nonzero().flatten().tolist():
-            tail = history[rows[position], max(0, step + 1 - self.window) : step + 1].tolist()
-            text = self.tokenizer.decode(tail)
-            hit[position] = any(s in text for s in self.stops)
-        return hit
 
-
-@torch.no_grad()
 def sample_groups(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Sequence[int]],
     num_samples: int,
     params: SamplingParams,
-    on_step: Callable[[list[int], list[int], torch.Tensor], None] | None = None,
-    cancelled_prompts: Callable[[], list[int]] | None = None,
 ) -> list[list[SampledSequence]]:
-    """`num_samples` completions for each prompt; result[i][j] is sample j of prompt i. `on_step(rows, tokens,
-    logprobs)` hears each step's new tokens (row = prompt index × num_samples + sample index) and the raw
-    log-probability distributions they were drawn from ([len(rows), vocab]), for streaming. `cancelled_prompts()`,
-    asked before every step, names the prompts nobody waits for any more: their rows stop decoding there."""
+    """`num_samples` completions for each prompt, all decoded together; result[i][j] is sample j of prompt i."""
     if not prompts or num_samples < 1:
         return [[] for _ in prompts]
-    if any(len(p) == 0 for p in prompts):
-        raise GymError("every prompt needs at least one token")
-    if params.temperature < 0:
-        raise GymError(f"temperature must be >= 0 (got {params.temperature})")
-    device = next(model.parameters()).device
-    longest = max(len(p) for p in prompts)
-    room = getattr(model.config, "max_position_embeddings", longest + (params.max_tokens or 0)) - longest
-    if params.max_tokens is not None and params.max_tokens < 1:
-        raise GymError(f"max_tokens must be at least 1 (got {params.max_tokens})")
-    max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-    if max_tokens < 1:
-        raise GymError(f"no room to sample: prompts of {longest} tokens fill the model's context")
-    stop_ids, stop_strings = stop_lists(params.stop)
-    if tokenizer.eos_token_id is not None:
-        stop_ids = [*stop_ids, tokenizer.eos_token_id]
-    stop_ids_t = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    stop_strings_finder = _StopStrings(tokenizer, stop_strings, vocab, device)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-
-    was_training = model.training
-    model.eval()
-    stack = contextlib.ExitStack()
-    if device.type == "cpu":
-        stack.enter_context(_lora_folded(model))
-    try:
-        # Prefill each distinct prompt once (left-padded), then repeat its cache rows for its samples.
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids = torch.full((len(prompts), longest), pad, dtype=torch.long, device=device)
-        mask = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            ids[row, longest - len(prompt) :] = torch.tensor(list(prompt), device=device)
-            mask[row, longest - len(prompt) :] = 1
-        cache = DynamicCache()
-        next_logits = _NextTokenLogits(model)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = next_logits(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-        )
-        cache.batch_repeat_interleave(num_samples)
-        logits = logits.repeat_interleave(num_samples, dim=0)
-        mask = mask.repeat_interleave(num_samples, dim=0)
-        next_position = positions[:, -1:].repeat_interleave(num_samples, dim=0) + 1
-
-        total = len(prompts) * num_samples
-        tokens = torch.zeros((total, max_tokens), dtype=torch.long, device=device)
-        logprobs = torch.zeros((total, max_tokens), dtype=torch.float32, device=device)
-        lengths = torch.full((total,), max_tokens, dtype=torch.long, device=device)
-        stopped = torch.zeros(total, dtype=torch.bool, device=device)
-        rows = torch.arange(total, device=device)  # batch row → output row
-        live = torch.ones(total, dtype=torch.bool, device=device)  # finished rows ride along until pruned
-
-        for step in range(max_tokens):
-            gone = cancelled_prompts() if cancelled_prompts is not None else []
-            if gone:
-                gone_rows = torch.tensor(
-                    [p * num_samples + j for p in gone for j in range(num_samples)], device=device
-                )
-                hit = live & torch.isin(rows, gone_rows)
-                lengths[rows[hit]] = step
-                live &= ~hit
-                if not live.any():
-                    break
-            if params.temperature == 0:
-                chosen = logits.argmax(-1)
-            else:
-                probs = _filtered_logits(logits, params).softmax(-1)
-                chosen = _draw(probs, generator)
-            live_rows, live_chosen = rows[live], chosen[live]
-            tokens[live_rows, step] = live_chosen
-            step_logprobs = logits[live].log_softmax(-1)
-            logprobs[live_rows, step] = step_logprobs.gather(1, live_chosen[:, None]).squeeze(1)
-            done = torch.isin(live_chosen, stop_ids_t) | stop_strings_finder.hits(
-                live_chosen, live_rows, tokens, step
-            )
-            if on_step is not None:
-                on_step(live_rows.tolist(), live_chosen.tolist(), step_logprobs)
-            lengths[live_rows[done]] = step + 1
-            stopped[live_rows[done]] = True
-            live[live.nonzero().flatten()[done]] = False
-            if not live.any() or step == max_tokens - 1:
-                break
-            if (~live).sum() * 4 >= len(rows):
-                # Shrinking the cache copies it: worth it once a quarter of the batch has finished.
-                index = live.nonzero().flatten()
-                cache.batch_select_indices(index)
-                rows, chosen, mask, next_position = (
-                    rows[index],
-                    chosen[index],
-                    mask[index],
-                    next_position[index],
-                )
-                live = live[index]
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
-            logits = next_logits(
-                input_ids=chosen[:, None],
-                attention_mask=mask,
-                position_ids=next_position,
-                cache=cache,
-                use_cache=True,
-            )
-            next_position = next_position + 1
-    finally:
-        stack.close()
-        model.train(was_training)
-
-    lengths_list, stopped_list = lengths.tolist(), stopped.tolist()
-    tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
-    sequences = [
-        SampledSequence(
-            tokens=tokens_list[i][: lengths_list[i]],
-            logprobs=logprobs_list[i][: lengths_list[i]],
-            stop_reason="stop" if stopped_list[i] else "length",
-        )
-        for i in range(total)
-    ]
-    return [sequences[p * num_samples : (p + 1) * num_samples] for p in range(len(prompts))]
+    with decoding(model):
+        batch = DecodeBatch(model, tokenizer, seed=params.seed)
+        jobs = batch.add([Prompt(list(p), num_samples, params) for p in prompts])
+        while batch.live_rows:
+            batch.step()
+    return [job.sequences for job in jobs]

@@ -1,6 +1,10 @@
-"""Sampling requests from many threads, decoded together: requests that wait at the same time, for the same
-adapter, sample count and parameters, become one batch for the sampler (one prefill per prompt, one decode
-loop for all of them). Seeded requests run alone, so a seed reproduces its own result whatever else is queued.
+"""Sampling requests from many threads, decoded together as they come (continuous batching).
+
+One thread drives the model. Requests for the same adapter share a lane: one `DecodeBatch` whose rows join
+between decode steps and leave as they finish, so a short request sent while a long one decodes is prefilled at
+the next step and then decodes alongside it instead of waiting for it. Lanes of different adapters take turns
+of a few steps each (the host serves one adapter at a time). A seeded request gets a lane of its own, so a seed
+reproduces its own result whatever else is running.
 """
 
 from __future__ import annotations
@@ -9,19 +13,21 @@ import collections
 import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from hanzo_gym.engine.sampling import sample_groups
+from hanzo_gym.engine.decoding import decoding
+from hanzo_gym.engine.sampling import DecodeBatch, DecodeJob, Prompt
 from hanzo_gym.errors import GymError
 from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.records import SampledSequence, SamplingParams
 
-MAX_PROMPTS_PER_BATCH = 64
+MAX_ROWS_PER_LANE = 256  # a fuller lane makes another lane of the same adapter: the two take turns
+STEPS_PER_TURN = 16  # while other lanes wait; on CPU each turn refolds its adapter's LoRA into the weights
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     adapter: str | None
     prompt: list[int]
@@ -30,24 +36,46 @@ class _Request:
     future: concurrent.futures.Future
     # (sample index, token, raw log-probabilities over the vocabulary it was drawn from) as each token is drawn
     on_token: Callable[[int, int, torch.Tensor], None] | None
-    owner: object = None  # kept alive while the request waits: a client's adapter lives as long as the client
+    owner: object = None  # kept alive while the request runs: a client's adapter lives as long as the client
     cancel: threading.Event | None = None  # set through SampleBatcher.cancel when nobody waits for the result
 
-    def batch_key(self) -> tuple | None:
-        if self.params.seed is not None or self.on_token is not None:
-            return None
-        p = self.params
-        stop = tuple(p.stop) if isinstance(p.stop, (list, tuple)) else p.stop
-        return (self.adapter, self.num_samples, p.max_tokens, stop, p.temperature, p.top_k, p.top_p)
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+
+@dataclass(eq=False)
+class _Lane:
+    adapter: str | None
+    seed: int | None  # a seeded lane holds one request
+    waiting: list[_Request] = field(default_factory=list)
+    running: dict[DecodeJob, _Request] = field(default_factory=dict)
+    batch: DecodeBatch | None = None
+
+    def rows(self) -> int:
+        return sum(r.num_samples for r in self.waiting) + (self.batch.rows if self.batch else 0)
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def takes(self, request: _Request) -> bool:
+        return (
+            self.seed is None
+            and request.params.seed is None
+            and request.adapter == self.adapter
+            and (self.batch is None or self.batch.can_add())
+            and self.rows() + request.num_samples <= MAX_ROWS_PER_LANE
+        )
 
 
 class SampleBatcher:
     def __init__(self, host: ModelHost):
         self.host = host
         self._queue: collections.deque[_Request] = collections.deque()
+        self._lanes: collections.deque[_Lane] = collections.deque()  # the next lane to run is lanes[0]
         self._wakeup = threading.Condition()
         self._closing = False
-        self._cancellations = threading.Event()  # some request was cancelled since the batch started
+        self._cancellations = threading.Event()  # some request was cancelled since the last look
         self._thread = threading.Thread(target=self._serve, name="hanzo-gym-sampler", daemon=True)
         self._thread.start()
 
@@ -62,7 +90,7 @@ class SampleBatcher:
         cancel: threading.Event | None = None,
     ) -> concurrent.futures.Future[list[SampledSequence]]:
         """Checked here, on the caller's thread: a bad request fails its caller, never the sampler thread.
-        `cancel`, passed later to `cancel()`, stops the request's decoding, even inside a batch."""
+        `cancel`, passed later to `cancel()`, stops the request's decoding at the next step."""
         if not isinstance(params, SamplingParams):
             raise GymError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -77,93 +105,110 @@ class SampleBatcher:
         return future
 
     def cancel(self, event: threading.Event) -> None:
-        """Nobody waits for the request submitted with `event` any more: it fails with a GymError, and a batch
-        it is decoding in stops decoding its rows at the next token."""
+        """Nobody waits for the request submitted with `event` any more: it fails with a GymError, and its rows
+        stop decoding at the next step."""
         event.set()
         self._cancellations.set()
 
     def close(self) -> None:
-        """End the sampler thread once the queued requests are done; it holds the model while it runs."""
+        """End the sampler thread once the requests it has are done; it holds the model while it runs."""
         with self._wakeup:
             self._closing = True
             self._wakeup.notify()
         self._thread.join()
 
+    # -- the sampler thread ------------------------------------------------------------------------------------
     def _serve(self) -> None:
         while True:
             with self._wakeup:
-                while not self._queue and not self._closing:
+                while not self._queue and not self._lanes and not self._closing:
                     self._wakeup.wait()
-                if not self._queue:
-                    return
-                batch = self._take_batch()
+                self._route_queued()
+                if not self._lanes:
+                    return  # closing, and nothing left to do
+            lane = self._lanes[0]
+            self._lanes.rotate(-1)
             try:
-                self._run(batch)
-            except BaseException as exc:  # noqa: BLE001 - the thread must outlive any one batch
-                for request in batch:
+                self._run_turn(lane)
+            except BaseException as exc:  # noqa: BLE001 - the thread must outlive any one lane
+                for request in [*lane.waiting, *lane.running.values()]:
                     if not request.future.done():
                         request.future.set_exception(exc)
-            del batch  # the requests hold their clients alive: let them go while the thread waits
+                lane.waiting.clear()
+                lane.running.clear()
+                lane.batch = None
+            if lane.idle():
+                self._lanes.remove(lane)
+            del lane  # its requests hold their clients alive: let them go while the thread waits
 
-    def _take_batch(self) -> list[_Request]:
-        first = self._queue.popleft()
-        key = first.batch_key()
-        batch = [first]
-        if key is None:
-            return batch
-        kept: collections.deque[_Request] = collections.deque()
+    def _route_queued(self) -> None:
+        """Move what was submitted into lanes. Called with `_wakeup` held."""
         while self._queue:
             request = self._queue.popleft()
-            if request.batch_key() == key and len(batch) < MAX_PROMPTS_PER_BATCH:
-                batch.append(request)
-            else:
-                kept.append(request)
-        self._queue = kept
-        return batch
+            lane = next((lane for lane in self._lanes if lane.takes(request)), None)
+            if lane is None:
+                lane = _Lane(request.adapter, request.params.seed)
+                self._lanes.append(lane)
+            lane.waiting.append(request)
 
-    def _run(self, batch: list[_Request]) -> None:
-        batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
-        self._cancellations.clear()  # before the check below: a cancel landing after it must stay seen
-        for request in [r for r in batch if _cancelled(r)]:
-            request.future.set_exception(GymError("the request was cancelled"))
-        batch = [r for r in batch if not _cancelled(r)]
-        if not batch:
+    def _run_turn(self, lane: _Lane) -> None:
+        with self.host.using(lane.adapter) as model, decoding(model):
+            if lane.batch is None:
+                lane.batch = DecodeBatch(model, self.host.tokenizer, seed=lane.seed)
+            lane.batch.bind(model)
+            steps = 0
+            while True:
+                if self._cancellations.is_set():
+                    self._drop_cancelled()
+                self._admit(lane)
+                if not lane.running:
+                    return
+                for job in lane.batch.step():
+                    request = lane.running.pop(job)
+                    if not request.future.done():
+                        request.future.set_result(job.sequences)
+                steps += 1
+                if self._queue:  # read without the lock: a request missed now is seen at the next step
+                    with self._wakeup:
+                        self._route_queued()
+                others_wait = any(other is not lane for other in self._lanes)
+                if others_wait and steps >= STEPS_PER_TURN:
+                    return
+
+    def _admit(self, lane: _Lane) -> None:
+        """Prefill the lane's waiting requests into its batch (one pass); a request that cannot be decoded
+        fails alone."""
+        admitted: list[tuple[_Request, Prompt]] = []
+        for request in lane.waiting:
+            if not request.future.set_running_or_notify_cancel():
+                continue
+            if request.cancelled:
+                request.future.set_exception(GymError("the request was cancelled"))
+                continue
+            prompt = Prompt(request.prompt, request.num_samples, request.params, request.on_token)
+            try:
+                lane.batch.check(prompt)
+            except GymError as exc:
+                request.future.set_exception(exc)
+                continue
+            admitted.append((request, prompt))
+        lane.waiting.clear()
+        if not admitted:
             return
-
-        def cancelled_prompts() -> list[int]:
-            if not self._cancellations.is_set():  # the usual case costs one flag read per decoding step
-                return []
-            return [index for index, request in enumerate(batch) if _cancelled(request)]
-
-        first = batch[0]
-        on_step = None
-        if first.on_token is not None:
-
-            def on_step(rows: list[int], tokens: list[int], logprobs: torch.Tensor) -> None:
-                for position, (row, token) in enumerate(zip(rows, tokens)):
-                    first.on_token(row, token, logprobs[position])
-
         try:
-            with self.host.using(first.adapter) as model:
-                groups = sample_groups(
-                    model,
-                    self.host.tokenizer,
-                    [r.prompt for r in batch],
-                    first.num_samples,
-                    first.params,
-                    on_step=on_step,
-                    cancelled_prompts=cancelled_prompts,
-                )
-        except BaseException as exc:  # noqa: BLE001 - every waiter must hear about the failure
-            for request in batch:
+            jobs = lane.batch.add([prompt for _, prompt in admitted])
+        except BaseException as exc:  # noqa: BLE001 - these requests fail; the rows already running go on
+            for request, _ in admitted:
                 request.future.set_exception(exc)
             return
-        for request, group in zip(batch, groups):
-            if _cancelled(request):
-                request.future.set_exception(GymError("the request was cancelled"))
-            else:
-                request.future.set_result(group)
+        for job, (request, _) in zip(jobs, admitted):
+            lane.running[job] = request
 
-
-def _cancelled(request: _Request) -> bool:
-    return request.cancel is not None and request.cancel.is_set()
+    def _drop_cancelled(self) -> None:
+        self._cancellations.clear()  # before looking: a cancel landing meanwhile stays seen
+        for lane in self._lanes:
+            for job, request in list(lane.running.items()):
+                if request.cancelled:
+                    lane.batch.drop(job)
+                    del lane.running[job]
+                    request.future.set_exception(GymError("the request was cancelled"))

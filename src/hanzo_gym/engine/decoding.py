@@ -1,0 +1,136 @@
+"""The token-level pieces of decoding: next-token logits, per-row filters and draws, stop-string candidates, and
+the CPU trick of folding LoRA into the weights while decoding. `sampling.DecodeBatch` puts them together."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+
+def filtered_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Per row: temperature, then the top-k and top-p masks, on fp32 logits [rows, vocab]. A row's top_k ≤ 0 or
+    ≥ vocab and top_p ≥ 1 switch its mask off; temperature must be > 0 here (greedy rows take the argmax)."""
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    limited = (top_k > 0) & (top_k < vocab)
+    if limited.any():
+        largest = int(top_k[limited].max())
+        kth = torch.topk(logits, largest, dim=-1).values.gather(1, (top_k.clamp(1, largest) - 1)[:, None])
+        logits = logits.masked_fill((logits < kth) & limited[:, None], float("-inf"))
+    nucleus = top_p < 1.0
+    if nucleus.any():
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already cover top_p (the top token always stays)
+        drop_sorted = ((sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]) & nucleus[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row by inverse-CDF: one uniform draw per row (torch.multinomial draws one per vocab entry)."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _tokens_containing(tokenizer: PreTrainedTokenizerBase, characters: str) -> tuple[bool, ...]:
+    """For every token id: does its text contain any of `characters`? (one batched decode per tokenizer)"""
+    texts = tokenizer.batch_decode([[token_id] for token_id in range(len(tokenizer))])
+    return tuple(any(c in text for c in characters) for text in texts)
+
+
+def stop_string_candidates(
+    tokenizer: PreTrainedTokenizerBase, stops: list[str], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[vocab] bool: could this token, drawn last, complete one of `stops`? Only such rows are decoded to text."""
+    candidates = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    last_chars = "".join(sorted({s[-1] for s in stops if s}))
+    if last_chars:
+        candidates[: len(tokenizer)] = torch.tensor(_tokens_containing(tokenizer, last_chars)).to(device)
+    return candidates
+
+
+@contextlib.contextmanager
+def _lora_folded(model: PreTrainedModel) -> Iterator[None]:
+    """Decode with each LoRA layer's ΔW folded into a temporary copy of its weight and the adapter branch off.
+
+    On CPU, decoding a few rows is bound by the number of matmul calls, and LoRA triples them. The base
+    weights are swapped for the copies and back, never changed in place, so the frozen base stays bit-exact.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    if not hasattr(model, "disable_adapter"):
+        yield
+        return
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.disable_adapters]
+    if any(not m.get_base_layer().weight.is_floating_point() for m in layers):
+        yield  # a quantized (QLoRA) base has no weight to fold into: decode with the adapter branch on
+        return
+    swapped = []
+    with torch.no_grad():
+        for module in layers:
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            if not adapters:
+                continue
+            base = module.get_base_layer()
+            delta = sum(module.get_delta_weight(a) for a in adapters)
+            swapped.append((base, base.weight))
+            base.weight = torch.nn.Parameter(base.weight + delta.to(base.weight.dtype), requires_grad=False)
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        for base, weight in swapped:
+            base.weight = weight
+
+
+@contextlib.contextmanager
+def decoding(model: PreTrainedModel) -> Iterator[None]:
+    """The model in eval mode, without gradients, with LoRA folded on CPU; as it was afterwards. Everything it
+    changes is undone on exit, so whoever holds the model next (a training step) sees it untouched."""
+    was_training = model.training
+    model.eval()
+    try:
+        with (
+            torch.no_grad(),
+            _lora_folded(model)
+            if next(model.parameters()).device.type == "cpu"
+            else contextlib.nullcontext(),
+        ):
+            yield
+    finally:
+        model.train(was_training)
+
+
+class NextTokenLogits:
+    """Each row's fp32 logits at its last position. With a plain output projection the decoder runs alone and
+    the logits are computed as (W · hᵀ)ᵀ: for a few rows against a vocabulary-sized W, that order streams W once
+    and runs about twice as fast on CPU as h · Wᵀ (bench/output_projection.py, SmolLM2's 49k×576 head at 8 rows:
+    7.6 vs 15.7 ms on 2 cores)."""
+
+    def __init__(self, model: PreTrainedModel):
+        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        head = causal_lm.get_output_embeddings()
+        scaled = any(
+            getattr(causal_lm.config, key, None)
+            for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+        )
+        plain = isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
+        self._model = model
+        self._decoder = causal_lm.get_decoder() if plain else None
+        self._weight = head.weight
+
+    def __call__(self, **inputs: torch.Tensor | DynamicCache | bool) -> torch.Tensor:
+        if self._decoder is None:
+            return self._model(**inputs, logits_to_keep=1).logits[:, -1].float()
+        hidden = self._decoder(**inputs).last_hidden_state[:, -1]
+        return (self._weight @ hidden.T).T.float()
