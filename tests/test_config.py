@@ -200,3 +200,55 @@ def test_chat_template_names_are_checked_at_load(tmp_path):
 
 def test_resume_path_must_exist(tmp_path):
     assert "is not a directory" in _error(tmp_path, BASE + f"resume_from_checkpoint: {tmp_path / 'nope'}\n")
+
+
+def test_anchors_aliases_and_merge_keys_still_load(tmp_path):
+    cfg = _load(
+        tmp_path,
+        """\
+base_model: Qwen/Qwen3-0.6B
+output_dir: out
+adapter: lora
+lora_target_modules: &targets [q_proj, v_proj]
+datasets:
+  - &chat {path: a.jsonl, type: chat_template, field_messages: conversations, roles_to_train: [assistant, tool]}
+  - <<: *chat
+    path: b.jsonl
+  - *chat
+""",
+    )
+    first, merged, aliased = cfg.datasets
+    assert (merged.path, merged.field_messages, merged.roles_to_train) == (
+        "b.jsonl",
+        "conversations",
+        ["assistant", "tool"],
+    )
+    assert aliased == first and cfg.lora_target_modules == ["q_proj", "v_proj"]
+
+
+def test_aliases_may_repeat_a_few_thousand_values(tmp_path):
+    """The alias budget sits well above what a config repeats: 9 × 9 × 9 aliased values load."""
+    text = "a: &a [1, 2, 3, 4, 5, 6, 7, 8, 9]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+    data, _ = load_yaml(text + "c: [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n", "t")
+    assert sum(len(inner) for outer in data["c"] for inner in outer) == 729
+    nine_times = "[" + ", ".join(["*{}"] * 9) + "]\n"
+    deeper = "c: &c " + nine_times.format(*"b" * 9) + "d: &d " + nine_times.format(*"c" * 9) + "e: [*d]\n"
+    with pytest.raises(ConfigError, match=r"^t:5: aliases repeat more than 10000 values"):
+        load_yaml(text + deeper, "t")
+
+
+def test_a_config_nested_a_hundred_levels_is_refused_and_ninety_load(tmp_path):
+    assert load_yaml("x: " + "[" * 90 + "]" * 90, "t")[0]["x"]
+    with pytest.raises(ConfigError, match=r"^t:1: nested more than 100 levels deep"):
+        load_yaml("x: " + "[" * 101 + "]" * 101, "t")
+    with pytest.raises(ConfigError, match=r"^t:2: alias `\*a` nests the value more than 100 levels deep"):
+        load_yaml("a: &a " + "[" * 60 + "]" * 60 + "\nb: " + "[" * 50 + "*a" + "]" * 50, "t")
+
+
+@pytest.mark.parametrize(
+    "key", ["learning_rate", "lora_alpha", "val_set_size", "weight_decay", "max_grad_norm"]
+)
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_non_finite_floats_are_refused_with_key_and_line(tmp_path, key, value):
+    message = _error(tmp_path, BASE + f"{key}: {value}\n")
+    assert message.startswith(f"{tmp_path / 'run.yaml'}:8: `{key}`") and "finite" in message

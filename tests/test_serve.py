@@ -121,6 +121,30 @@ def test_models_lists_the_base_model_and_its_adapters(client, tiny_dir, engine):
         client.models.retrieve("nope")
 
 
+def test_what_one_request_may_cost_is_bounded_and_stated(tiny_dir, engine):
+    """A chat without max_tokens gets at most the default cap (not the whole context); prompts × n × max_tokens
+    past the server's limit is a 400 that names the limit; /v1/models states both."""
+    models = ServedModels(ModelHost(tiny_dir), default_max_tokens=6, max_request_tokens=40)
+    with Server(models, port=0) as running:
+        client = openai.OpenAI(base_url=running.url, api_key="none", max_retries=0)
+        card = client.models.retrieve(tiny_dir)
+        assert (card.default_max_tokens, card.max_request_tokens) == (6, 40)
+        assert card.max_model_len == models.context_length
+        reply = client.chat.completions.create(model=tiny_dir, messages=LONG_CHAT, temperature=0)
+        assert reply.usage.completion_tokens <= 6
+        with pytest.raises(openai.BadRequestError) as chat_error:
+            client.chat.completions.create(model=tiny_dir, messages=LONG_CHAT, n=8)  # 8 × 6 > 40
+        assert chat_error.value.body["code"] == "request_too_large"
+        assert "at most 40" in chat_error.value.body["message"]
+        assert chat_error.value.body["param"] == "n"
+        with pytest.raises(openai.BadRequestError) as text_error:
+            client.completions.create(model=tiny_dir, prompt=["a b", "c d", "e f"], max_tokens=14)  # 42
+        assert "3 prompts × n=1 × max_tokens=14" in text_error.value.body["message"]
+        ok = client.completions.create(model=tiny_dir, prompt=["a b", "c d"], max_tokens=20, temperature=0)
+        assert len(ok.choices) == 2
+    models.batcher.close()
+
+
 def test_chat_picks_the_adapter_by_model_name_and_matches_the_engine(
     client, tiny_dir, engine, word_tokenizer
 ):
@@ -337,9 +361,7 @@ def test_a_short_request_does_not_wait_for_a_long_one(
     long_answer = {}
 
     def ask_long() -> None:
-        reply = client.completions.create(
-            model=tiny_dir, prompt=[11, 12], max_tokens=200, temperature=0
-        )
+        reply = client.completions.create(model=tiny_dir, prompt=[11, 12], max_tokens=200, temperature=0)
         long_answer["reply"] = reply
 
     long_thread = threading.Thread(target=ask_long)
@@ -498,7 +520,7 @@ BAD_REQUESTS = [
     (TEXT, {"prompt": [1, "a"]}, 400),
     (TEXT, {"prompt": "hi", "logprobs": 100}, 400),
     (TEXT, {"prompt": "hi", "logprobs": True}, 400),
-    (TEXT, {"prompt": "hi", "echo": True}, 400),
+    (TEXT, {"prompt": "hi", "echo": True, "stream": True}, 400),
     (TEXT, {"prompt": "hi", "best_of": 3}, 400),
     (TEXT, {"prompt": ["hi"] * 100}, 400),
     (TEXT, {"prompt": "hi", "max_tokens": 10**6}, 400),

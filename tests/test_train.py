@@ -260,10 +260,14 @@ def test_a_new_run_in_an_old_output_dir_starts_clean(tmp_path, tiny_base, chat_d
     assert main(["train", str(first)]) == 0
     second, _ = _config(tmp_path, tiny_base, chat_data, max_steps=3, save_steps=None)
     assert main(["train", str(second)]) == 0
-    assert "removed the previous run's" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "the previous run's config.json, metrics.jsonl, checkpoints.jsonl" in printed
+    assert "this run replaced the previous run's" in printed
     run = tmp_path / "run"
     assert sorted(_train_losses(run)) == [1, 2, 3]
     assert not list(run.glob("checkpoint-*")) and not (run / "checkpoints.jsonl").exists()
+    assert json.loads((run / "config.json").read_text())["max_steps"] == 3
+    assert (run / "adapter_config.json").is_file() and not [p for p in run.iterdir() if p.name[0] == "."]
 
 
 def test_resume_refuses_other_adapter_settings(tmp_path, tiny_base, chat_data, capsys):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from hanzo_gym.cli import main
-from hanzo_gym.cli.trainjob import dataset_files, trainjob_from_env
+from hanzo_gym.cli.trainjob import VARIABLES, dataset_files, trainjob_from_env
 from hanzo_gym.config import parse_config
 from hanzo_gym.errors import ConfigError
 
@@ -354,3 +354,38 @@ def test_cli_reports_env_errors_without_traceback(dirs, capsys, monkeypatch):
     assert main(["trainjob", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: METHOD=full") and "Traceback" not in err
+
+
+def test_a_bad_data_row_leaves_the_previous_outputs_intact(tmp_path, tiny_base, capsys, monkeypatch):
+    output = tmp_path / "output"
+    earlier = {  # what an earlier job left: merged model, adapter, run directory
+        "config.json": '{"model_type": "qwen3"}',
+        "model.safetensors": "merged weights",
+        "tokenizer.json": "{}",
+        "adapter/adapter_config.json": '{"r": 16}',
+        "adapter/adapter_model.safetensors": "adapter weights",
+        "run/config.json": "{}",
+        "run/metrics.jsonl": '{"step": 3}\n',
+        "run/checkpoint-3/trainer_state.json": "{}",
+    }
+    for name, text in earlier.items():
+        (output / name).parent.mkdir(parents=True, exist_ok=True)
+        (output / name).write_text(text)
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    (dataset / "train.jsonl").write_text(json.dumps(CHAT_ROW) + "\n" + '{"messages": [\n')
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    env = {
+        "MODEL_DIR": str(tiny_base),
+        "DATASET_DIR": str(dataset),
+        "OUTPUT_DIR": str(output),
+        "TASK": "chat",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["trainjob"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "train.jsonl line 2" in err and "Traceback" not in err
+    files = {str(p.relative_to(output)): p.read_text() for p in output.rglob("*") if p.is_file()}
+    assert files == earlier

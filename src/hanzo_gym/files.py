@@ -6,10 +6,13 @@ use it too.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+SWAP_PLAN = ".swap-plan.json"  # in a staging folder: its swap into the parent has begun (see `swap_in`)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -53,16 +56,80 @@ def publish_directory(build: Callable[[Path], None], final: Path) -> None:
         os.replace(tmp, final)
 
 
-def publish_files_into(build: Callable[[Path], None], directory: Path, marker: str | None = None) -> None:
+def publish_files_into(
+    build: Callable[[Path], None], directory: Path, marker: str | None = None, replaces: Iterable[str] = ()
+) -> list[str]:
     """Run `build(tmp)` on a temporary folder, then move each file it wrote into `directory` (one rename each).
 
     `marker` names the file that says the set is complete (a PEFT adapter's adapter_config.json): the old one
     goes first and the new one moves last, so a crash part-way leaves no marker next to a mix of old and new
-    files."""
+    files. `replaces`: glob patterns of an earlier set that the new one replaces in full; the files matching
+    them that the new set does not overwrite (a stale shard of a differently sharded model) are removed after
+    the old marker, before the new files move in. Returns the names removed."""
     staging = directory / f".staging-{os.getpid()}"
     publish_directory(build, staging)
+    incoming = {item.name for item in staging.iterdir()}
     if marker is not None:
         (directory / marker).unlink(missing_ok=True)
+    stale = sorted(
+        {path.name for pattern in replaces for path in directory.glob(pattern) if path.is_file()} - incoming
+    )
+    for name in stale:
+        (directory / name).unlink()
     for item in sorted(staging.iterdir(), key=lambda path: path.name == marker):
         os.replace(item, directory / item.name)
     staging.rmdir()
+    return stale
+
+
+def remove_entry(path: Path) -> None:
+    """Remove a file or a folder. A folder is first renamed to a hidden name that nothing trusts, so a crash
+    mid-delete never leaves a part of it under its own name (a checkpoint missing some files)."""
+    if path.is_dir() and not path.is_symlink():
+        trash = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, trash)
+        shutil.rmtree(trash)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def swap_in(staging: Path, directory: Path, replaced: Iterable[str], marker: str | None = None) -> None:
+    """Move every entry of `staging` (a folder inside `directory`) into `directory`, and remove the entries
+    named in `replaced` that the staged set does not overwrite; then remove `staging`.
+
+    The plan is written into `staging` first, so a process killed part-way leaves a staging folder that
+    `finish_swap` completes: from the plan on, the new set wins. `marker` as in `publish_files_into`."""
+    incoming = sorted(item.name for item in staging.iterdir() if not item.name.startswith("."))
+    plan = {"incoming": incoming, "removes": sorted(set(replaced) - set(incoming)), "marker": marker}
+    atomic_write_text(staging / SWAP_PLAN, json.dumps(plan) + "\n")
+    finish_swap(staging, directory)
+
+
+def finish_swap(staging: Path, directory: Path) -> None:
+    """Carry out (or finish, after a crash) the swap planned in `staging`. Every move checks whether it is
+    still to do, so running it again is harmless."""
+    plan = json.loads((staging / SWAP_PLAN).read_text(encoding="utf-8"))
+    marker = plan["marker"]
+    if marker in plan["removes"] or (marker in plan["incoming"] and (staging / marker).exists()):
+        (directory / marker).unlink(missing_ok=True)  # first: it would vouch for a mix of old and new
+    for name in plan["removes"]:
+        remove_entry(directory / name)
+    for name in sorted(plan["incoming"], key=lambda name: name == marker):
+        source = staging / name
+        if source.exists() or source.is_symlink():  # not moved yet: what has that name is the old one
+            remove_entry(directory / name)
+            os.replace(source, directory / name)
+    shutil.rmtree(staging)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether the process that named a temporary after itself still runs (then it is not abandoned)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -12,11 +12,13 @@ from hanzo_gym.errors import GymError
 
 def _train(args: argparse.Namespace) -> None:
     from hanzo_gym.config import load_config
+
+    cfg = load_config(args.config)  # before torch loads: a bad config fails in a moment
     from hanzo_gym.engine.distributed import shutdown
     from hanzo_gym.loops.train import run_training
 
     try:
-        run_training(load_config(args.config))
+        run_training(cfg)
     finally:
         shutdown()  # under torchrun run_training joined the process group
 
@@ -57,7 +59,15 @@ def _serve(args: argparse.Namespace) -> None:
     from hanzo_gym.serve import run_serve
 
     run_serve(
-        args.model, args.adapter, args.host, args.port, args.renderer, args.served_model_name, args.verbose
+        args.model,
+        args.adapter,
+        args.host,
+        args.port,
+        args.renderer,
+        args.served_model_name,
+        args.verbose,
+        args.default_max_tokens,
+        args.max_request_tokens,
     )
 
 
@@ -112,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--renderer", help="chat renderer (default: the model's recommended one)")
     serve.add_argument("--served-model-name", help="the base model's name in requests (default: --model)")
+    serve.add_argument(
+        "--default-max-tokens",
+        type=int,
+        help="max_tokens of a chat request that gives none (default 1024, at most the rest of the context)",
+    )
+    serve.add_argument(
+        "--max-request-tokens",
+        type=int,
+        help="the most tokens one request may ask for: prompts × n × max_tokens (default 32768)",
+    )
     serve.add_argument("--verbose", action="store_true", help="log every request")
     serve.set_defaults(handler=_serve)
     return parser

@@ -12,6 +12,10 @@ What lands in OUTPUT_DIR (what the broker's deploy step serves):
     OUTPUT_DIR/run/          the run directory: config.json (the resolved config), metrics.jsonl, …
 
 With MERGE=false only adapter/ and run/ are written. Under torchrun only rank 0 writes.
+
+A job that fails (a bad data row, a reward that raises, a loss that diverges) leaves what an earlier job wrote
+there as it was: the earlier merged model and adapter are replaced only once the new ones are complete, and the
+run directory is staged until the new run has a checkpoint or its adapter (see `loops.run_dir`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pydantic import ValidationError
 
 from hanzo_gym.config import Config
 from hanzo_gym.errors import ConfigError, DataError
+from hanzo_gym.files import process_alive
 from hanzo_gym.model.hub import MODEL_PATTERNS
 
 DEFAULT_MODEL_DIR = "/workspace/model"
@@ -81,9 +86,9 @@ VARIABLES = (
 )
 
 # Files `save_pretrained` writes for a model and its tokenizer: what a previous run's merged model left at
-# OUTPUT_DIR's top level, removed before a new run so that no stale shard or index outlives it.
+# OUTPUT_DIR's top level, replaced as a set by the new one so that no stale shard or index outlives it.
 _MODEL_FILE_PATTERNS = (*MODEL_PATTERNS, "*.safetensors.index.json")
-_STAGING_PREFIX = ".staging-"  # what rundir.publish_files_into stages in
+_STAGING_PREFIX = ".staging-"  # what files.publish_files_into stages in
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -374,19 +379,24 @@ def resolved_yaml(job: TrainJob) -> str:
     return "\n".join(header) + "\n" + body
 
 
-def _clear_previous_outputs(output_dir: Path) -> list[str]:
-    """Remove what an earlier run left at OUTPUT_DIR's top level (model files, adapter/, staging folders)."""
-    removed = []
-    for pattern in _MODEL_FILE_PATTERNS:
-        for path in sorted(output_dir.glob(pattern)):
-            if path.is_file():
-                path.unlink()
-                removed.append(path.name)
-    for path in [output_dir / ADAPTER_SUBDIR, *output_dir.glob(f"{_STAGING_PREFIX}*")]:
-        if path.is_dir():
+def _remove_abandoned_staging(output_dir: Path) -> None:
+    """Staging folders of a job killed while it moved its merged model in: never trusted, removed."""
+    for path in sorted(output_dir.glob(f"{_STAGING_PREFIX}*")):
+        pid = path.name.removeprefix(_STAGING_PREFIX)
+        if path.is_dir() and pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(path)
-            removed.append(path.name + "/")
-    return removed
+            print(f"{output_dir}: removed {path.name}, left by a job killed while it wrote the merged model")
+
+
+def _remove_previous_model(output_dir: Path) -> None:
+    """MERGE=false: an earlier job's merged model does not hold the new adapter; remove it."""
+    stale = [path for pattern in _MODEL_FILE_PATTERNS for path in sorted(output_dir.glob(pattern))]
+    stale = [path for path in stale if path.is_file()]
+    config = output_dir / "config.json"
+    for path in ([config] if config in stale else []) + [p for p in stale if p != config]:
+        path.unlink()  # config.json first: without it nothing loads the rest as a model
+    if stale:
+        print(f"removed the previous run's {', '.join(p.name for p in stale)} from {output_dir}", flush=True)
 
 
 def _record_base_model(adapter_dir: Path, name: str) -> None:
@@ -413,7 +423,9 @@ def _publish_merged(job: TrainJob) -> None:
         tokenizer.save_pretrained(str(directory))
         _readable_by_all(directory)
 
-    publish_files_into(write, job.output_dir, marker="config.json")
+    stale = publish_files_into(write, job.output_dir, marker="config.json", replaces=_MODEL_FILE_PATTERNS)
+    if stale:
+        print(f"removed the previous run's {', '.join(stale)} from {job.output_dir}", flush=True)
 
 
 def _readable_by_all(directory: Path) -> None:
@@ -435,9 +447,7 @@ def run_trainjob(job: TrainJob) -> None:
             if job.output_dir.exists() and not job.output_dir.is_dir():
                 raise ConfigError(f"OUTPUT_DIR={job.output_dir}: exists and is not a directory")
             job.output_dir.mkdir(parents=True, exist_ok=True)
-            removed = _clear_previous_outputs(job.output_dir)
-            if removed:
-                print(f"removed the previous run's {', '.join(removed)} from {job.output_dir}", flush=True)
+            _remove_abandoned_staging(job.output_dir)
         run_training(job.config, adapter_dir=job.adapter_dir)
         if not is_main():
             return
@@ -447,6 +457,8 @@ def run_trainjob(job: TrainJob) -> None:
         if job.merge:
             _publish_merged(job)
             print(f"wrote merged model to {job.output_dir}", flush=True)
+        else:
+            _remove_previous_model(job.output_dir)
     finally:
         shutdown()
 

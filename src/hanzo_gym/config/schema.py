@@ -14,9 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
 
+# torch, numpy and Python's `random` all take seeds up to 2**32 - 1 (numpy's legacy seeding allows no more).
+MAX_SEED = 2**32 - 1
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    # allow_inf_nan=False: `.inf` or `.nan` for any float key is a load error naming the key and its line.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, allow_inf_nan=False)
 
 
 class MessagePropertyMappings(_Strict):
@@ -128,7 +132,7 @@ class Config(_Strict):
     eval_steps: int | None = Field(None, ge=1)
     save_steps: int | None = Field(None, ge=1)
     resume_from_checkpoint: str | bool | None = None
-    seed: int = Field(42, ge=0)
+    seed: int = Field(42, ge=0, le=MAX_SEED)
     bf16: Literal["auto", True, False] = "auto"
     gradient_checkpointing: bool = False
 
@@ -275,6 +279,8 @@ def _describe(error: dict, source: str, lines: dict) -> str:
         close = difflib.get_close_matches(str(value), words, n=1, cutoff=0.6)
         hint = f"; did you mean `{close[0]}`?" if close else ""
         return f"{where}: `{key}` is {value!r}; allowed: {allowed}{hint}"
+    if kind == "finite_number":
+        return f"{where}: `{key}` = {value!r}: use a finite number"
     if not loc:
         return f"{where}: {message}"
     return f"{where}: `{key}` = {value!r}: {message}"

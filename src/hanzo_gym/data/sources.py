@@ -332,6 +332,10 @@ def _read_file(local: Path, label: str) -> list[Row]:
         raise DataError(f"cannot read {label}: {error.strerror or error}") from error
 
 
+# Python's JSON parser recurses once per level and stops at the interpreter's recursion limit.
+_TOO_DEEP = "JSON nested too deeply to read (hundreds of levels); no dataset row is, so check the file"
+
+
 def _read_jsonl(local: Path, label: str) -> list[Row]:
     rows = []
     with local.open("rb") as handle:
@@ -344,6 +348,8 @@ def _read_jsonl(local: Path, label: str) -> list[Row]:
                 data = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
                 raise DataError(f"{label} line {number}: not UTF-8 text; save the file as UTF-8") from None
+            except RecursionError:
+                raise DataError(f"{label} line {number}: {_TOO_DEEP}") from None
             except json.JSONDecodeError as error:
                 raise DataError(
                     f"{label} line {number}: invalid JSON ({error.msg} at column {error.colno}); "
@@ -362,6 +368,8 @@ def _read_json_array(local: Path, label: str) -> list[Row]:
         data = json.loads(local.read_bytes().decode("utf-8-sig"))
     except UnicodeDecodeError:
         raise DataError(f"{label}: not UTF-8 text; save the file as UTF-8") from None
+    except RecursionError:
+        raise DataError(f"{label}: {_TOO_DEEP}") from None
     except json.JSONDecodeError as error:
         hint = "; if it holds one object per line, rename it to .jsonl" if error.msg == "Extra data" else ""
         raise DataError(

@@ -80,10 +80,13 @@ def read_optimizer_state(directory: Path) -> dict:
                 header = handle.metadata() or {}
             return tensors_to_optimizer(load_file(str(path)), header, path)
         except (SafetensorError, OSError, ValueError, KeyError) as exc:
-            raise GymError(f"{path}: unreadable optimizer state ({exc}); the checkpoint is damaged") from None
+            raise _damaged(path, exc) from None
     legacy = directory / LEGACY_TRAINER_FILE
     if legacy.is_file():
-        return read_legacy(legacy)["optimizer"]
+        state = read_legacy(legacy)
+        if not isinstance(state, dict) or not isinstance(state.get("optimizer"), dict):
+            raise GymError(f"{legacy}: holds no optimizer state; the checkpoint is damaged")
+        return state["optimizer"]
     legacy = directory / LEGACY_CLIENT_FILE
     if legacy.is_file():
         return read_legacy(legacy)
@@ -97,9 +100,22 @@ def read_legacy(path: Path) -> Any:
     """A `.pt` file of an older hanzo-gym, read with torch's tensors-only loader (no code runs)."""
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+    except pickle.UnpicklingError as exc:
+        refusal = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line), None)
+        if refusal is None:
+            raise _damaged(path, exc) from None
         raise GymError(
             f"{path}: refused: it holds more than tensors and plain values, so loading it could run code "
-            f"({str(exc).splitlines()[0]}). hanzo-gym never writes such a file; if you trust it, load it "
-            "yourself and re-save the state with a current hanzo-gym"
+            f"({refusal.removeprefix('WeightsUnpickler error: ')[:120]}). hanzo-gym never writes such a file; "
+            "if you trust it, load it yourself and re-save the state with a current hanzo-gym"
         ) from None
+    except Exception as exc:  # noqa: BLE001 - a cut-off or garbled file trips torch's reader in many ways
+        raise _damaged(path, exc) from None
+
+
+def _damaged(path: Path, exc: Exception) -> GymError:
+    detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return GymError(
+        f"{path}: unreadable ({detail[:120]}); the checkpoint is damaged (a copy cut short?): resume from "
+        "another checkpoint or start fresh"
+    )

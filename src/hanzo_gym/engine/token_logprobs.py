@@ -2,10 +2,14 @@
 
 The output projection is applied in chunks of positions. The forward pass keeps only the hidden states and one
 log-sum-exp per position; the backward pass recomputes each chunk's logits and touches only positions whose
-incoming gradient is non-zero (in SFT that skips every prompt token).
+incoming gradient is non-zero (in SFT that skips every prompt token). `prompt_logprobs` scores a whole sequence
+with the same chunking, for `echo` on /v1/completions (a prompt's own log-probabilities and top alternatives).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -67,3 +71,62 @@ def token_logprobs(
     """log softmax(hidden @ weightᵀ)[target] per position in fp32 (differentiable w.r.t. hidden and weight),
     and the entropy of each position's distribution (not differentiable)."""
     return _ChunkedTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk)
+
+
+@dataclass
+class PromptLogprobs:
+    """What a sequence's own tokens score under the model, for positions 1…T-1 (position 0 has no context)."""
+
+    logprobs_N: torch.Tensor  # [T-1] fp32: log p(tokens[i+1] | tokens[:i+1])
+    top_ids_NK: torch.Tensor  # [T-1, k] the k most likely tokens at each position, best first
+    top_logprobs_NK: torch.Tensor  # [T-1, k] fp32, from the same log-softmax row as logprobs_N
+
+
+def prompt_logprobs(
+    model: torch.nn.Module, tokens: Sequence[int], top_k: int = 0, chunk: int = DEFAULT_CHUNK
+) -> PromptLogprobs:
+    """Score a whole token sequence in one pass (no gradient, dropout off): each token's log-probability given
+    the ones before it, and the `top_k` alternatives, returned on the CPU. Reductions run in fp32 whatever the
+    model's dtype; a plain output projection is applied `chunk` positions at a time, so `[T, vocab]` logits
+    never exist."""
+    if len(tokens) < 1:
+        raise ValueError("prompt_logprobs needs at least one token")
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = causal_lm.get_output_embeddings()
+    plain_head = isinstance(head, torch.nn.Linear) and not any(
+        getattr(causal_lm.config, key, None)
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    )
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if plain_head:
+                hidden_TH = causal_lm.get_decoder()(input_ids=input_ids).last_hidden_state[0]
+                logits_of = lambda start, end: head(hidden_TH[start:end]).float()
+            else:  # a scaled or capped head: let the model's own forward apply it
+                logits_TV = model(input_ids=input_ids).logits[0]
+                logits_of = lambda start, end: logits_TV[start:end].float()
+            return _scored_positions(logits_of, input_ids[0], top_k, chunk)
+    finally:
+        model.train(was_training)
+
+
+def _scored_positions(
+    logits_of: Callable[[int, int], torch.Tensor], tokens_T: torch.Tensor, top_k: int, chunk: int
+) -> PromptLogprobs:
+    n = tokens_T.shape[0] - 1  # position i predicts token i+1; the last position predicts nothing here
+    logprobs_N = torch.empty(n, dtype=torch.float32)
+    top_ids_NK = torch.empty((n, top_k), dtype=torch.long)
+    top_logprobs_NK = torch.empty((n, top_k), dtype=torch.float32)
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        logits = logits_of(start, end)
+        row_logprobs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+        logprobs_N[start:end] = row_logprobs.gather(1, tokens_T[start + 1 : end + 1, None]).squeeze(1).cpu()
+        if top_k:
+            values, ids = row_logprobs.topk(top_k, dim=-1)
+            top_logprobs_NK[start:end], top_ids_NK[start:end] = values.cpu(), ids.cpu()
+    return PromptLogprobs(logprobs_N, top_ids_NK, top_logprobs_NK)

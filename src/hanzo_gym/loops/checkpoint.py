@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hanzo_gym.config import Config
@@ -64,7 +65,7 @@ def read_checkpoint(directory: Path, engine: Engine, plan: dict) -> TrainerPosit
         raise GymError(
             f"{directory} is not a complete checkpoint (no {TRAINER_STATE}); pick another or start fresh"
         )
-    position = TrainerPosition(**json.loads(state_file.read_text()))
+    position = _read_position(state_file)
     changed = {k: (position.plan.get(k), v) for k, v in plan.items() if position.plan.get(k) != v}
     if changed:
         details = ", ".join(f"{k}: {old} → {new}" for k, (old, new) in changed.items())
@@ -77,6 +78,29 @@ def read_checkpoint(directory: Path, engine: Engine, plan: dict) -> TrainerPosit
     return position
 
 
+def _read_position(state_file: Path) -> TrainerPosition:
+    damaged = f"{state_file}: the checkpoint is damaged (a copy cut short?): resume from another checkpoint"
+    try:
+        fields = json.loads(state_file.read_text(encoding="utf-8"))
+        position = TrainerPosition(**fields)
+    except (UnicodeDecodeError, ValueError, TypeError) as exc:  # not JSON, or not the keys written
+        raise GymError(f"{damaged} ({str(exc)[:120]})") from None
+    wrong = [
+        name
+        for name, kind in (
+            ("step", int),
+            ("epoch", int),
+            ("window", int),
+            ("plan", dict),
+            ("log_window", dict),
+        )
+        if not isinstance(getattr(position, name), kind)
+    ]
+    if wrong:
+        raise GymError(f"{damaged} ({', '.join(wrong)} of the wrong type)")
+    return position
+
+
 def _rng_tensors() -> dict[str, torch.Tensor]:
     tensors = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -85,13 +109,28 @@ def _rng_tensors() -> dict[str, torch.Tensor]:
 
 
 def _restore_rng(directory: Path) -> None:
-    if (directory / RNG_FILE).is_file():
-        tensors = load_file(str(directory / RNG_FILE))
-        cuda = [tensors[f"cuda.{i}"] for i in range(len(tensors) - 1)]
+    rng_file, legacy_file = directory / RNG_FILE, directory / LEGACY_TRAINER_FILE
+    if rng_file.is_file():
+        try:
+            tensors = load_file(str(rng_file))
+            cuda = [tensors[f"cuda.{i}"] for i in range(len(tensors) - 1)]
+            cpu = tensors["cpu"]
+        except (SafetensorError, OSError, KeyError) as exc:
+            raise GymError(
+                f"{rng_file}: unreadable ({exc}); the checkpoint is damaged (a copy cut short?): resume from "
+                "another checkpoint or start fresh"
+            ) from None
     else:  # a checkpoint from before the shared format
-        legacy = read_legacy(directory / LEGACY_TRAINER_FILE)
-        tensors, cuda = {"cpu": legacy["cpu_rng"]}, legacy["cuda_rng"] or []
-    torch.set_rng_state(tensors["cpu"])
+        legacy = read_legacy(legacy_file)
+        if not isinstance(legacy, dict) or not isinstance(legacy.get("cpu_rng"), torch.Tensor):
+            raise GymError(f"{legacy_file}: holds no RNG state; the checkpoint is damaged")
+        cpu, cuda = legacy["cpu_rng"], legacy.get("cuda_rng") or []
+    try:
+        torch.set_rng_state(cpu)
+    except (RuntimeError, TypeError) as exc:
+        raise GymError(
+            f"{directory}: the saved RNG state does not load ({exc}); the checkpoint is damaged"
+        ) from None
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
 

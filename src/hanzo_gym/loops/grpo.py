@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from hanzo_gym.data.batching import epoch_order
 from hanzo_gym.data.prompts import Prompt
 from hanzo_gym.engine import Engine, ForwardBackwardOutput
 from hanzo_gym.engine.distributed import gather_objects, rank, shard, sum_across, world_size
+from hanzo_gym.errors import GymError
 from hanzo_gym.loops.checkpoint import adapter_fingerprint
 from hanzo_gym.loops.rl_math import (
     group_advantages,
@@ -33,7 +35,7 @@ from hanzo_gym.loops.rl_math import (
 )
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import adam_params
-from hanzo_gym.loops.tail import LoopTail, StepPlace
+from hanzo_gym.loops.tail import LoopTail, StepPlace, check_finite
 from hanzo_gym.records import Datum, SampledSequence, SamplingParams, TensorData
 from hanzo_gym.rewards import Completion, RewardFunction, parse_reward, score_completions
 
@@ -85,6 +87,29 @@ def _completions(
     ]
 
 
+class RewardFunctionFailed(GymError):
+    """A reward function raised: said in one line with where, since the run cannot go on without scores."""
+
+    def __init__(self, when: str, error: Exception):
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        notes = "".join(f" ({note})" for note in getattr(error, "__notes__", []))
+        super().__init__(
+            f"{when}: {type(error).__name__}: {error}{notes}{where}; fix the reward function and run again"
+        )
+
+
+def _scored(
+    reward_fns: list[RewardFunction], weights: list[float] | None, completions: list[Completion], when: str
+) -> tuple[list[float], dict[str, list[float]]]:
+    try:
+        return score_completions(reward_fns, weights, completions)
+    except GymError:
+        raise
+    except Exception as error:
+        raise RewardFunctionFailed(when, error) from error
+
+
 def evaluate_rewards(
     engine: Engine, prompts: list[Prompt], reward_fns: list[RewardFunction], cfg: Config
 ) -> dict[str, float]:
@@ -95,7 +120,7 @@ def evaluate_rewards(
         batch = mine[start : start + 64]
         groups = engine.sample([p.tokens for p in batch], 1, _sampling(cfg, cfg.seed, greedy=True))
         flat = [c for group in _completions(engine, batch, groups) for c in group]
-        totals, _ = score_completions(reward_fns, cfg.trl.reward_weights or None, flat)
+        totals, _ = _scored(reward_fns, cfg.trl.reward_weights or None, flat, "scoring the held-out prompts")
         rewards += totals
     rewards = [r for part in gather_objects(rewards) for r in part]
     return {"eval/reward": mean(rewards), "eval/accuracy": mean([1.0 if r > 0 else 0.0 for r in rewards])}
@@ -186,10 +211,11 @@ def train_grpo(
             sample_seconds = time.perf_counter() - clock
             clock = time.perf_counter()
             flat = [c for group in _completions(engine, prompts_P, samples_P_G) for c in group]
-            totals, per_function = score_completions(reward_fns, weights, flat)
+            totals, per_function = _scored(reward_fns, weights, flat, f"step {step + 1}")
             group = trl.num_generations
             rewards_P_G = [totals[p * group : (p + 1) * group] for p in range(len(prompts_P))]
             everyone = _StepView.gather(rewards_P_G, per_function, [s for g in samples_P_G for s in g])
+            check_finite({"sampled logprobs": everyone.sampled_logprob_sum}, step + 1, cfg)
             advantages_P_G = group_advantages(everyone.rewards_P_G, trl.reward_scaling)[
                 everyone.first_group : everyone.first_group + len(rewards_P_G)
             ]
@@ -269,20 +295,28 @@ def _training_batch(rollouts: Rollouts, trl: TrlConfig, engine: Engine) -> Train
 @dataclass
 class _StepView:
     """What a step's advantages and reward metrics need from every process: all groups' rewards, each
-    reward function's scores, completion lengths and stop reasons (in rank order), and where this rank's
-    groups start."""
+    reward function's scores, completion lengths and stop reasons (in rank order), where this rank's
+    groups start, and the sum of every sampled token's logprob (not finite once the policy's outputs are
+    not, though a step without a training signal computes no loss that would show it)."""
 
     rewards_P_G: list[list[float]]
     per_function: dict[str, list[float]]
     lengths: list[int]
     stops: list[str]
     first_group: int
+    sampled_logprob_sum: float
 
     @staticmethod
     def gather(
         rewards_P_G: list[list[float]], per_function: dict[str, list[float]], samples: list[SampledSequence]
     ) -> _StepView:
-        mine = (rewards_P_G, per_function, [len(s.tokens) for s in samples], [s.stop_reason for s in samples])
+        mine = (
+            rewards_P_G,
+            per_function,
+            [len(s.tokens) for s in samples],
+            [s.stop_reason for s in samples],
+            sum(sum(s.logprobs) for s in samples),
+        )
         parts = gather_objects(mine)
         names = list(dict.fromkeys(name for part in parts for name in part[1]))
         return _StepView(
@@ -291,6 +325,7 @@ class _StepView:
             lengths=[n for part in parts for n in part[2]],
             stops=[reason for part in parts for reason in part[3]],
             first_group=sum(len(part[0]) for part in parts[: rank()]),
+            sampled_logprob_sum=sum(part[4] for part in parts),
         )
 
 

@@ -1,7 +1,14 @@
-"""The run directory: config.json, metrics.jsonl, checkpoints.jsonl and checkpoint folders.
+"""The run directory: config.json, metrics.jsonl, checkpoints.jsonl, checkpoint folders and the final adapter.
 
 Files are replaced atomically and a checkpoint folder only gets its final name once everything in it is on disk
 (`hanzo_gym.files`), so a crash never leaves a checkpoint that resume would trust.
+
+A new run in an output_dir that holds an earlier one is written into a hidden staging folder,
+`.new-run-<pid>`, and takes the earlier run's place only once it has something to replace it with: its first
+checkpoint or its final adapter. A run that fails before that leaves the earlier run exactly as it was. The
+swap is planned on disk before it starts, so a run killed part-way through it is finished by the next one;
+whatever a killed run left (a staging folder, a half-written checkpoint) is recovered or removed by the next
+run, which says so.
 
 Under torchrun only rank 0 writes: on the other ranks a RunDir reads (latest_checkpoint, metrics) but every
 method that would write does nothing.
@@ -20,59 +27,117 @@ from tqdm import tqdm
 
 from hanzo_gym.engine.distributed import is_main
 from hanzo_gym.errors import GymError
-from hanzo_gym.files import atomic_write_text, publish_directory
+from hanzo_gym.files import (
+    SWAP_PLAN,
+    atomic_write_text,
+    finish_swap,
+    process_alive,
+    publish_directory,
+    publish_files_into,
+    remove_entry,
+    swap_in,
+)
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"
+STAGING_PREFIX = ".new-run-"
+ADAPTER_MARKER = "adapter_config.json"  # written last: a PEFT folder without it is not an adapter
+# What a run writes at the top level besides its checkpoints (tokenizer files are overwritten, not counted).
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", ADAPTER_MARKER, "adapter_model.safetensors")
 
 
 class RunDir:
     def __init__(self, path: str | Path, writer: bool | None = None):
-        self.path = Path(path)
+        self.path = Path(path)  # output_dir: where the run's files end up, and what its records name
+        self._home = self.path  # where they are written now: the staging folder while the run is staged
         self.writer = is_main() if writer is None else writer
-        self.metrics_path = self.path / "metrics.jsonl"
-        self.checkpoints_path = self.path / "checkpoints.jsonl"
         if not self.writer:
             return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise GymError(f"cannot create output_dir {self.path}: {exc.strerror}") from None
-        self._remove_abandoned_temporaries()
+        self._recover_abandoned()
 
-    def _remove_abandoned_temporaries(self) -> None:
-        """Temporary folders whose writer process is gone (killed mid-write) are never trusted: delete them."""
-        for path in self.path.glob(".*"):
+    @property
+    def metrics_path(self) -> Path:
+        return self._home / "metrics.jsonl"
+
+    @property
+    def checkpoints_path(self) -> Path:
+        return self._home / "checkpoints.jsonl"
+
+    @property
+    def staged(self) -> bool:
+        return self._home != self.path
+
+    def _recover_abandoned(self) -> None:
+        """What a killed run left, named with its process id: a staging folder whose swap had begun is swapped
+        in (the new run had its checkpoint); any other one, and temporaries, are never trusted and removed."""
+        for path in sorted(self.path.glob(".*")):
             pid = path.name.rsplit("-", 1)[-1]
-            if path.is_dir() and pid.isdigit() and not _process_alive(int(pid)):
+            if not pid.isdigit() or process_alive(int(pid)):
+                continue
+            if path.name.startswith(STAGING_PREFIX) and (path / SWAP_PLAN).is_file():
+                finish_swap(path, self.path)
+                _say(
+                    f"{self.path}: finished moving in the run staged in {path.name}, which was killed while it "
+                    "replaced the previous run"
+                )
+            elif path.name.startswith(STAGING_PREFIX):
                 shutil.rmtree(path, ignore_errors=True)
+                _say(
+                    f"{self.path}: removed {path.name}, a new run killed before its first checkpoint; the "
+                    "previous run there was left as it was"
+                )
+            elif path.is_dir() or path.is_file():
+                remove_entry(path)
+                _say(f"{self.path}: removed {path.name}, left by a run killed while writing it")
+
+    def previous_run(self) -> list[str]:
+        """The entries of an earlier run at the top level: its records, adapter and checkpoints."""
+        names = [name for name in RUN_FILES if (self.path / name).is_file()]
+        return names + [path.name for path in _checkpoint_folders(self.path)]
 
     def start_fresh(self) -> list[str]:
-        """A new run in an output_dir that holds an earlier one: drop the earlier run's records and
-        checkpoints, so that metrics and `resume_from_checkpoint: true` can only see this run. Returns what
-        was removed."""
-        removed = []
+        """A new run: when output_dir holds an earlier run, stage this one until it can replace it (see the
+        module's docstring). Returns the earlier run's entries that it is to replace."""
         if not self.writer:
-            return removed
-        for path in (self.metrics_path, self.checkpoints_path):
-            if path.exists():
-                path.unlink()
-                removed.append(path.name)
-        for path in sorted(self.path.glob(f"{CHECKPOINT_PREFIX}*")):
-            if path.is_dir():
-                shutil.rmtree(path)
-                removed.append(path.name)
-        return removed
+            return []
+        previous = self.previous_run()
+        if previous:
+            self._home = self.path / f"{STAGING_PREFIX}{os.getpid()}"
+            self._home.mkdir()
+        return previous
+
+    def discard(self) -> bool:
+        """A staged run failed: remove it, leaving the earlier run as it was. True when there was one. A
+        swap that has begun is left for the next run to finish: the earlier run is already part gone."""
+        if not self.staged or (self._home / SWAP_PLAN).exists():
+            return False
+        shutil.rmtree(self._home, ignore_errors=True)
+        self._home = self.path
+        return True
+
+    def finish(self) -> None:
+        """A staged run now has something to replace the earlier one with: swap it in."""
+        if not self.staged:
+            return
+        replaced = self.previous_run()
+        swap_in(self._home, self.path, replaced, marker=ADAPTER_MARKER)
+        self._home = self.path
+        _say(f"{self.path}: this run replaced the previous run's {', '.join(replaced)}")
 
     def write_config(self, resolved: dict) -> None:
         if self.writer:
-            atomic_write_text(self.path / "config.json", json.dumps(resolved, indent=2) + "\n")
+            atomic_write_text(self._home / "config.json", json.dumps(resolved, indent=2) + "\n")
 
     def log(self, row: dict) -> None:
         if not self.writer:
             return
+        line = json.dumps(row, allow_nan=False)  # NaN and Infinity are not JSON: the loops stop first
         with open(self.metrics_path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
+            handle.write(line + "\n")
 
     def metrics(self) -> list[dict]:
         return _read_jsonl(self.metrics_path)
@@ -90,21 +155,23 @@ class RunDir:
         final = self.path / f"{CHECKPOINT_PREFIX}{step}"
         if not self.writer:
             return final
-        publish_directory(build, final)
+        publish_directory(build, self._home / final.name)
         record = {"name": final.name, "step": step, "epoch": epoch, "path": str(final)}
         with open(self.checkpoints_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
+        self.finish()
         return final
+
+    def publish_adapter(self, build: Callable[[Path], None]) -> None:
+        """The final adapter at the top level, next to the run files, as Axolotl puts it."""
+        if not self.writer:
+            return
+        publish_files_into(build, self._home, marker=ADAPTER_MARKER)
+        self.finish()
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint folder (temporary folders of an interrupted write never qualify)."""
-        complete = [
-            p
-            for p in self.path.glob(f"{CHECKPOINT_PREFIX}*")
-            if p.is_dir()
-            and p.name.removeprefix(CHECKPOINT_PREFIX).isdigit()
-            and (p / TRAINER_STATE).is_file()
-        ]
+        complete = [p for p in _checkpoint_folders(self.path) if (p / TRAINER_STATE).is_file()]
         return max(complete, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)), default=None)
 
 
@@ -139,16 +206,17 @@ class Progress:
         self.bar.close()
 
 
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _say(text: str) -> None:
+    tqdm.write(text)  # between the progress bar's redraws on a terminal, a plain line otherwise
+    sys.stdout.flush()
+
+
+def _checkpoint_folders(directory: Path) -> list[Path]:
+    return sorted(
+        path
+        for path in directory.glob(f"{CHECKPOINT_PREFIX}*")
+        if path.is_dir() and path.name.removeprefix(CHECKPOINT_PREFIX).isdigit()
+    )
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -5,10 +5,14 @@ A loop computes its step and hands the step's values to `LoopTail.finish_step`, 
 the window into the logged row (SFT divides summed NLL by summed tokens; GRPO averages every metric over the
 window's steps, as TRL does). The window travels inside checkpoints, so a resumed run logs the rows an
 uninterrupted one would.
+
+The tail also stops a run whose numbers stop being finite (`TrainingDiverged`), before a NaN is logged or
+saved: an adapter of NaNs loads fine and answers nonsense.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,8 +20,38 @@ from pathlib import Path
 
 from hanzo_gym.config import Config
 from hanzo_gym.engine import Engine
+from hanzo_gym.errors import GymError
 from hanzo_gym.loops.checkpoint import TrainerPosition, starting_position, write_checkpoint
 from hanzo_gym.loops.run_dir import Progress, RunDir
+
+# What a value of a step is called in the message (SFT hands over the window's summed NLL as `nll`).
+_SHOWN_AS = {"nll": "loss"}
+
+
+class TrainingDiverged(GymError):
+    """A step's loss, gradient norm or score is not a finite number: the run stops without writing the
+    adapter (an earlier run in output_dir stays, see `RunDir`)."""
+
+    def __init__(self, step: int, values: dict[str, float], cfg: Config):
+        shown = ", ".join(f"{_SHOWN_AS.get(key, key)} {value}" for key, value in values.items())
+        super().__init__(
+            f"step {step}: training diverged ({shown}); stopped without writing the adapter. Lower "
+            f"learning_rate (now {cfg.learning_rate:g}) or lora_alpha (now {cfg.lora_alpha:g}), or look for "
+            "an extreme example in this step's data"
+        )
+
+
+def check_finite(values: dict[str, float], step: int, cfg: Config) -> None:
+    bad = {key: value for key, value in values.items() if not math.isfinite(value)}
+    if bad:
+        raise TrainingDiverged(step, bad, cfg)
+
+
+def check_finite_adapter(engine: Engine, step: int, cfg: Config) -> None:
+    """The adapter's weights before they are saved: an update can overflow them although the step's loss and
+    gradient norm were finite."""
+    if not all(bool(parameter.isfinite().all()) for parameter in engine.trainable):
+        raise TrainingDiverged(step, {"adapter weights": math.nan}, cfg)
 
 
 @dataclass
@@ -86,6 +120,8 @@ class LoopTail:
         self.engine, self.cfg, self.run, self.plan, self.total = engine, cfg, run, plan, total
         self._evaluate, self._row, self._line = evaluate, row, line
         self.position = starting_position(engine, run, plan, resume_from)
+        # Only now, with a checkpoint to resume from accepted: a refused resume leaves config.json as it was.
+        run.write_config(cfg.model_dump(mode="json"))
         self.step = self.position.step
         self.window = StepWindow.restore(self.position.log_window)
         self.progress = Progress(total, self.step)
@@ -108,6 +144,7 @@ class LoopTail:
 
     def evaluate(self, epoch_progress: float) -> dict[str, float]:
         result = self._evaluate()
+        check_finite(result, self.step, self.cfg)
         self.run.log({"step": self.step, "epoch": epoch_progress, **result, "elapsed_s": self.elapsed()})
         scores = " ".join(f"{key} {value:.4f}" for key, value in result.items())
         self.say(f"eval step {self.step} epoch {epoch_progress:.2f} {scores}")
@@ -118,6 +155,7 @@ class LoopTail:
         """Count the step, add its values to the window, and log, evaluate and save as the config says."""
         cfg = self.cfg
         self.step += 1
+        check_finite(values, self.step, cfg)
         self.progress.advance()
         self.window.add(values)
         if self.step % cfg.logging_steps == 0 or self.done:
@@ -130,6 +168,7 @@ class LoopTail:
         if self._evaluate is not None and (periodic or place.ends_epoch or self.done):
             self.evaluate(place.progress)
         if cfg.save_steps and self.step % cfg.save_steps == 0:
+            check_finite_adapter(self.engine, self.step, cfg)
             epoch, index = place.following
             mark = TrainerPosition(self.step, epoch, index, self.plan, log_window=asdict(self.window))
             path = self.run.save_checkpoint(

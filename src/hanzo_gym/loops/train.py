@@ -21,10 +21,11 @@ from hanzo_gym.engine.distributed import (
 )
 from hanzo_gym.engine.state_files import save_engine_state
 from hanzo_gym.errors import GymError
-from hanzo_gym.files import publish_directory, publish_files_into
+from hanzo_gym.files import publish_directory
 from hanzo_gym.loops.grpo import GrpoResult, train_grpo
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.sft import SftResult, train_sft
+from hanzo_gym.loops.tail import check_finite_adapter
 from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, pick_device_and_dtype
 from hanzo_gym.model.lora import attach_lora
 
@@ -86,7 +87,6 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     engine = build_engine(cfg, device, dtype, tokenizer)
     broadcast_parameters(engine.trainable)  # every process starts from rank 0's adapter
     run = RunDir(cfg.output_dir)
-    run.write_config(cfg.model_dump(mode="json"))
     if is_main():
         processes = f", {world_size()} processes" if world_size() > 1 else ""
         print(
@@ -97,27 +97,36 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
         )
     resume_from = broadcast_object(resume_point(cfg, run) if is_main() else None)
     if resume_from is None:
-        removed = run.start_fresh()
-        if removed:
+        replaced = run.start_fresh()
+        if replaced:
             print(
-                f"starting a new run in {run.path}: removed the previous run's {', '.join(removed)}",
+                f"starting a new run in {run.path}: the previous run's {', '.join(replaced)} stay until this "
+                "run has its first checkpoint or its adapter",
                 flush=True,
             )
-    torch.manual_seed(cfg.seed)
-    loop = train_grpo if cfg.rl == "grpo" else train_sft
-    result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_from)
 
     def final(directory: Path) -> None:
         save_engine_state(engine, directory, with_optimizer=False)
         tokenizer.save_pretrained(str(directory))
 
-    if not is_main():
-        return result
-    if adapter_dir is not None:
-        publish_directory(final, Path(adapter_dir))
-        print(f"wrote adapter to {adapter_dir}", flush=True)
-        return result
-    # The final adapter sits at the run directory's top level, next to the run files, as Axolotl puts it.
-    publish_files_into(final, run.path, marker="adapter_config.json")
-    print(f"wrote adapter to {run.path}", flush=True)
+    torch.manual_seed(cfg.seed)
+    loop = train_grpo if cfg.rl == "grpo" else train_sft
+    try:
+        result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_from)
+        check_finite_adapter(engine, result.steps, cfg)
+        if adapter_dir is not None:
+            run.finish()
+            if is_main():
+                publish_directory(final, Path(adapter_dir))
+        else:
+            run.publish_adapter(final)
+    except BaseException:
+        if run.discard():
+            print(
+                f"the new run stopped before its first checkpoint: {run.path} holds the previous run",
+                flush=True,
+            )
+        raise
+    if is_main():
+        print(f"wrote adapter to {adapter_dir or run.path}", flush=True)
     return result

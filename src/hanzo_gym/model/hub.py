@@ -26,6 +26,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -96,7 +97,23 @@ def real_model_gguf() -> Path:
 def resolve_model(base_model: str) -> Path:
     """Return a local Hugging Face model directory (config.json + safetensors + tokenizer files)
     for base_model: the directory itself, the de-quantised cache entry of a .gguf file, or a hub snapshot."""
-    return _resolve(base_model, required_files=("config.json",), hub_patterns=MODEL_PATTERNS)
+    model_dir = _resolve(base_model, required_files=("config.json",), hub_patterns=MODEL_PATTERNS)
+    _read_model_config(base_model, model_dir)  # before transformers reads it and fails with a traceback
+    return model_dir
+
+
+def _read_model_config(base_model: str, model_dir: Path) -> dict:
+    config_path = model_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ModelError(
+            f"cannot read {config_path} of base_model `{base_model}` as JSON ({error}); restore the model's "
+            "config.json (download or save the model again)"
+        ) from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{config_path} of base_model `{base_model}` is not a JSON object; restore it")
+    return config
 
 
 def load_tokenizer(
@@ -141,11 +158,27 @@ def load_causal_lm(
         if load_in_4bit:
             _keep_4bit_weights_trainable(model)
         return model.to(device) if device is not None and not load_in_4bit else model
+    except SafetensorError as error:
+        raise ModelError(
+            f"{_unreadable_weights(model_dir) or model_dir}: unreadable weights of base_model `{base_model}` "
+            f"({error}); the file is damaged or cut short: download or save the model again"
+        ) from None
     except OSError as error:
         raise ModelError(
             f"could not load the weights of base_model `{base_model}` from {model_dir}: {error}. "
             "The directory needs config.json plus model.safetensors (or sharded *.safetensors with an index)."
         ) from error
+
+
+def _unreadable_weights(model_dir: Path) -> Path | None:
+    """The first .safetensors file whose header does not parse (reading a header is cheap)."""
+    for path in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            return path
+    return None
 
 
 def _keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
@@ -183,10 +216,7 @@ def _four_bit_config(compute_dtype: torch.dtype) -> transformers.BitsAndBytesCon
 def _check_causal_lm_architecture(base_model: str, model_dir: Path) -> None:
     """Turn transformers' errors for unknown or non-causal architectures into one clear message."""
     config_path = model_dir / "config.json"
-    try:
-        model_type = json.loads(config_path.read_text()).get("model_type")
-    except (OSError, ValueError) as error:
-        raise ModelError(f"cannot read {config_path} of base_model `{base_model}`: {error}") from error
+    model_type = _read_model_config(base_model, model_dir).get("model_type")
     supported = (
         f"supported: any causal LM architecture built into transformers {transformers.__version__} "
         f"({len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model_types, e.g. llama, qwen2, qwen3, mistral, gemma3, "

@@ -28,6 +28,7 @@ def attach_lora(
     """
     if target_modules == "all-linear":
         target_modules = linear_module_names(model)
+    _check_rank_fits(model, r, target_modules, base_model_name)
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -45,6 +46,31 @@ def attach_lora(
         raise ModelError(f"cannot attach LoRA to {model.config.model_type}: {exc}") from None
     peft_model.peft_config["default"].base_model_name_or_path = base_model_name
     return peft_model
+
+
+def _check_rank_fits(model: torch.nn.Module, r: int, target_modules: list[str], base_model_name: str) -> None:
+    """A rank above a layer's smaller side adds nothing but memory (A is r × in, B is out × r); a huge one
+    would allocate gigabytes before anything fails, so refuse it while nothing is allocated."""
+    targets = set(target_modules)
+    smallest = None
+    for path, module in model.named_modules():
+        if path.rsplit(".", 1)[-1] not in targets and path not in targets:
+            continue
+        if isinstance(module, torch.nn.Linear):  # bitsandbytes' 4-bit layers too: their weight is packed
+            sides = (module.in_features, module.out_features)
+        elif isinstance(module, Conv1D):
+            sides = tuple(module.weight.shape)
+        else:
+            continue
+        if smallest is None or min(sides) < min(smallest[1]):
+            smallest = (path, sides)
+    if smallest is not None and r > min(smallest[1]):
+        path, (inputs, outputs) = smallest
+        raise ModelError(
+            f"lora_r (LoRA rank) {r} is larger than the layers it adapts in {base_model_name}: {path} is "
+            f"{inputs} → {outputs}, so the rank can be at most {min(inputs, outputs)}; set lora_r to at most "
+            f"{min(inputs, outputs)}"
+        )
 
 
 def linear_module_names(model: PreTrainedModel) -> list[str]:
@@ -105,19 +131,37 @@ def read_adapter_config(directory: str | Path) -> LoraConfig:
         raise ModelError(
             f"{directory} is not a PEFT adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
         )
-    fields = json.loads(config_file.read_text())
+    try:
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ModelError(
+            f"{config_file}: not a JSON adapter config ({exc}); the adapter is damaged"
+        ) from None
+    if not isinstance(fields, dict):
+        raise ModelError(f"{config_file}: not a JSON object; the adapter is damaged")
     if fields.get("peft_type", "LORA") != "LORA":
         raise ModelError(f"{config_file}: peft_type {fields['peft_type']} is not LoRA")
     known = set(LoraConfig.__dataclass_fields__)
-    return LoraConfig(**{k: v for k, v in fields.items() if k in known and k != "peft_type"})
+    try:
+        return LoraConfig(**{k: v for k, v in fields.items() if k in known and k != "peft_type"})
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"{config_file}: not a usable LoRA config ({exc}); the adapter is damaged") from None
 
 
 def read_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """The config and weights of a PEFT LoRA adapter directory."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     config = read_adapter_config(directory)
-    return config, load_file(str(Path(directory) / ADAPTER_WEIGHTS))
+    weights_file = Path(directory) / ADAPTER_WEIGHTS
+    try:
+        return config, load_file(str(weights_file))
+    except (SafetensorError, OSError) as exc:
+        raise ModelError(
+            f"{weights_file}: unreadable ({exc}); the adapter is damaged (a copy cut short?): use another "
+            "checkpoint or copy it again"
+        ) from None
 
 
 def set_adapter_weights(

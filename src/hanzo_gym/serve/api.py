@@ -1,6 +1,7 @@
 """The endpoints' work: a typed request → prompts → the shared batcher → an OpenAI response, or a stream of
 chunks. Requests without streaming or top log-probabilities wait in the batcher with others like them and are
 decoded together; streamed ones (and those asking for top alternatives) follow their tokens as they are drawn.
+With `echo`, the prompts are scored first (`serve.echo`) and their text and logprobs go before the completion's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hanzo_gym.engine.sampling import stop_lists
 from hanzo_gym.errors import GymError
 from hanzo_gym.records import SampledSequence, SamplingParams
 from hanzo_gym.renderers import RendererError
+from hanzo_gym.serve.echo import EchoedPrompt, echo_prompts
 from hanzo_gym.serve.models import ServedModels
 from hanzo_gym.serve.protocol import APIError, ChatRequest, CompletionRequest, Sampling
 from hanzo_gym.serve.responses import (
@@ -212,8 +214,9 @@ def chat(
         raise APIError(
             f"cannot render these messages: {exc}", param="messages", code="invalid_value"
         ) from None
-    request.sampling.max_tokens = models.default_max_tokens(request.sampling.max_tokens)
+    request.sampling.max_tokens = models.default_max_tokens(request.sampling.max_tokens, len(prompt))
     models.check_prompt(prompt, request.sampling.max_tokens)
+    models.check_budget(1, request.sampling.n, request.sampling.max_tokens)
     stop_ids, renderer_strings = stop_lists(renderer.get_stop_sequences())
     generation = Generation(
         models,
@@ -308,6 +311,13 @@ def complete(
         tokens = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         models.check_prompt(tokens, request.sampling.max_tokens, param="prompt")
         prompts.append(tokens)
+    models.check_budget(len(prompts), request.sampling.n, request.sampling.max_tokens)
+    model = request.model or models.name
+    echoes = None
+    if request.echo:
+        echoes = echo_prompts(models.host, adapter, request.prompts, prompts, request.logprobs)
+        if request.sampling.max_tokens == 0:
+            return _echoes_only(model, request, echoes, sum(len(tokens) for tokens in prompts))
     generation = Generation(
         models,
         adapter,
@@ -319,24 +329,72 @@ def complete(
         request.stream,
         client_gone,
     )
-    model = request.model or models.name
     if request.stream:
         return _completion_stream(generation, model, request)
     results = generation.finished()
     choices = []
     for p, group in enumerate(results):
         for j, (sample, sequence) in enumerate(group):
-            logprobs = None
-            if request.logprobs is not None:
+            text, logprobs = sample.tracker.text, None
+            if echoes is not None:
+                text, logprobs = _echoed(
+                    echoes[p], generation, sample, sequence, request.logprobs is not None
+                )
+            elif request.logprobs is not None:
                 logprobs = _completion_logprobs(generation, sample, range(sample.tracker.visible_tokens()))
             index = p * request.sampling.n + j
-            choices.append(text_choice(index, sample.tracker.text, sequence.stop_reason, logprobs))
+            choices.append(text_choice(index, text, sequence.stop_reason, logprobs))
     return text_completion(new_id("cmpl"), model, choices, *generation.usage(results))
 
 
 def _completion_logprobs(generation: Generation, sample: _Sample, positions: range) -> dict[str, Any]:
     offsets = [sample.tracker.starts[i] for i in positions]
     return completion_logprobs(*generation.token_view(sample, positions), offsets)
+
+
+def _echoes_only(
+    model: str, request: CompletionRequest, echoes: list[EchoedPrompt], prompt_tokens: int
+) -> dict[str, Any]:
+    """`max_tokens: 0` with `echo`: each prompt scored, nothing generated."""
+    choices = []
+    for p, echo in enumerate(echoes):
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = completion_logprobs(echo.pieces, echo.logprobs, echo.tops, echo.offsets)
+        for j in range(request.sampling.n):
+            choices.append(text_choice(p * request.sampling.n + j, echo.text, "length", logprobs))
+    return text_completion(new_id("cmpl"), model, choices, prompt_tokens, 0)
+
+
+def _echoed(
+    echo: EchoedPrompt,
+    generation: Generation,
+    sample: _Sample,
+    sequence: SampledSequence,
+    want_logprobs: bool,
+) -> tuple[str, dict[str, Any] | None]:
+    """The prompt's text and logprobs, then the completion's."""
+    text = echo.text + sample.tracker.text
+    if not want_logprobs:
+        return text, None
+    tracker = sample.tracker
+    positions = range(tracker.visible_tokens())
+    pieces, values, tops = generation.token_view(sample, positions)
+    offsets = [len(echo.text) + tracker.starts[i] for i in positions]
+    stop_token = len(tracker.tokens)  # its index in the sequence, when a stop token ended it
+    if tracker.ended and not tracker.cut_by_stop and stop_token < len(sequence.tokens):
+        # Unlike a plain completion's, echo's logprobs cover the stop token too (as vLLM's do): harnesses
+        # ask for one token and drop the last position, which would otherwise be one of the prompt's.
+        pieces.append(generation.piece(sequence.tokens[stop_token]))
+        values.append(sample.logprobs[stop_token])
+        if tops is not None:
+            tops.append([(generation.piece(t), v) for t, v in sample.tops[stop_token]])
+        offsets.append(len(text))
+    all_tops = None if tops is None else [*(echo.tops or [[] for _ in echo.pieces]), *tops]
+    logprobs = completion_logprobs(
+        [*echo.pieces, *pieces], [*echo.logprobs, *values], all_tops, [*echo.offsets, *offsets]
+    )
+    return text, logprobs
 
 
 def _completion_stream(

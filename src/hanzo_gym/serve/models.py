@@ -13,6 +13,12 @@ from hanzo_gym.host.sample_batcher import SampleBatcher
 from hanzo_gym.renderers import Renderer, RendererError, get_renderer
 from hanzo_gym.serve.protocol import APIError
 
+# What one request may cost, so that no request can hold the sampler for long: a request without `max_tokens`
+# gets at most DEFAULT_MAX_TOKENS, and prompts × n × max_tokens may not pass MAX_REQUEST_TOKENS. Both are
+# stated in /v1/models and set by `gym serve --default-max-tokens / --max-request-tokens`.
+DEFAULT_MAX_TOKENS = 1024
+MAX_REQUEST_TOKENS = 32768
+
 
 @dataclass
 class ServedAdapter:
@@ -36,8 +42,12 @@ class ServedModels:
         adapters: dict[str, str] | None = None,
         renderer: str | None = None,
         name: str | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_request_tokens: int = MAX_REQUEST_TOKENS,
     ):
         self.host = host
+        self.max_tokens_default = default_max_tokens
+        self.max_request_tokens = max_request_tokens
         self.batcher = SampleBatcher(host)
         self.name = name or host.base_model
         self.created = int(time.time())
@@ -124,9 +134,24 @@ class ServedModels:
             )
         return self.renderer
 
-    def default_max_tokens(self, max_tokens: int | None) -> int | None:
-        """What a request without `max_tokens` gets: the rest of the context, or 4096 when that is unknown."""
-        return max_tokens if max_tokens is not None or self.context_length is not None else 4096
+    def default_max_tokens(self, max_tokens: int | None, prompt_tokens: int) -> int:
+        """What a request without `max_tokens` gets: the rest of the context, at most `max_tokens_default`."""
+        if max_tokens is not None:
+            return max_tokens
+        room = self.max_tokens_default if self.context_length is None else self.context_length - prompt_tokens
+        return max(1, min(self.max_tokens_default, room))
+
+    def check_budget(self, prompts: int, n: int, max_tokens: int) -> None:
+        """A 400 for a request that could generate more than `max_request_tokens` tokens."""
+        could_generate = prompts * n * max_tokens
+        if could_generate > self.max_request_tokens:
+            count = f"{prompts} prompts × " if prompts > 1 else ""
+            raise APIError(
+                f"this request could generate {could_generate} tokens ({count}n={n} × max_tokens={max_tokens}); "
+                f"this server allows at most {self.max_request_tokens} per request: lower n or max_tokens",
+                param="n" if n > 1 else "max_tokens",
+                code="request_too_large",
+            )
 
     def check_prompt(self, tokens: list[int], max_tokens: int | None, param: str = "messages") -> None:
         if not tokens:
@@ -141,11 +166,11 @@ class ServedModels:
             )
         if self.context_length is None:
             return
-        wanted = len(tokens) + (max_tokens or 1)
+        wanted = len(tokens) + (1 if max_tokens is None else max_tokens)
         if wanted > self.context_length:
             raise APIError(
                 f"This model's maximum context length is {self.context_length} tokens. However, you requested "
-                f"{wanted} tokens ({len(tokens)} in the prompt, {max_tokens or 1} for the completion). Please "
+                f"{wanted} tokens ({len(tokens)} in the prompt, {wanted - len(tokens)} for the completion). Please "
                 "reduce the prompt or the completion length.",
                 param="max_tokens" if max_tokens and len(tokens) < self.context_length else param,
                 code="context_length_exceeded",

@@ -72,6 +72,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k
+    echo: bool = False  # the prompt comes back before the completion, with its own logprobs when asked
 
 
 @dataclass
@@ -159,10 +160,10 @@ def _unsupported(body: dict, name: str, allowed: tuple = (None,)) -> None:
         raise APIError(f"`{name}` is not supported by this server", param=name, code="unsupported_parameter")
 
 
-def _sampling(body: dict, max_tokens_default: int | None) -> Sampling:
+def _sampling(body: dict, max_tokens_default: int | None, min_tokens: int = 1) -> Sampling:
     n = _int(body, "n", 1, 1, MAX_N)
-    max_tokens = _int(body, "max_tokens", max_tokens_default, 1)
-    max_tokens = _int(body, "max_completion_tokens", max_tokens, 1)
+    max_tokens = _int(body, "max_tokens", max_tokens_default, min_tokens)
+    max_tokens = _int(body, "max_completion_tokens", max_tokens, min_tokens)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = _int(body, "top_k", -1, -1)
@@ -313,9 +314,16 @@ def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
     model = _string(body, "model")
     prompts = _prompts(body.get("prompt"))
-    _unsupported(body, "echo", (None, False))
+    echo = _bool(body, "echo", False)
     _unsupported(body, "suffix", (None, ""))
-    sampling = _sampling(body, 16)  # OpenAI's default for /v1/completions
+    if not echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool):
+        raise APIError(
+            "`max_tokens` must be >= 1 (got 0); 0 is allowed with `echo: true`, to score the prompt only",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    # With echo, max_tokens 0 scores the prompt and generates nothing (what evaluation harnesses send).
+    sampling = _sampling(body, 16, min_tokens=0 if echo else 1)  # 16: OpenAI's default for /v1/completions
     best_of = _int(body, "best_of", None, 1)
     if best_of is not None and best_of != sampling.n:
         raise APIError(
@@ -324,6 +332,12 @@ def parse_completion(body: Any) -> CompletionRequest:
     if len(prompts) * sampling.n > MAX_CHOICES:
         raise _out_of_range("n", f"such that prompts × n <= {MAX_CHOICES}", sampling.n)
     stream = _bool(body, "stream", False)
+    if echo and stream:
+        raise APIError(
+            "`echo` with `stream: true` is not supported: send `stream: false` to get the prompt back",
+            param="echo",
+            code="unsupported_parameter",
+        )
     return CompletionRequest(
         model=model,
         prompts=prompts,
@@ -332,6 +346,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         include_usage=_stream_options(body, stream),
         # `false` is how some clients say "none"; `true` is chat's form and means nothing here.
         logprobs=None if body.get("logprobs") is False else _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS),
+        echo=echo,
     )
 
 

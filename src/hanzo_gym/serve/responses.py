@@ -54,19 +54,23 @@ def chat_logprobs(
 
 def completion_logprobs(
     pieces: Sequence[str],
-    logprobs: Sequence[float],
+    logprobs: Sequence[float | None],
     tops: Sequence[Sequence[tuple[str, float]]] | None,
     offsets: Sequence[int],
 ) -> dict[str, Any]:
-    """The legacy format: each position's top alternatives always include the sampled token."""
-    top_dicts = []
+    """The legacy format: each position's top alternatives always include the sampled token. A `None` logprob
+    (an echoed prompt's first token, which nothing predicts) gives `null` for it and for its alternatives."""
+    top_dicts: list[dict[str, float] | None] = []
     for index, (piece, value) in enumerate(zip(pieces, logprobs)):
+        if value is None:
+            top_dicts.append(None)
+            continue
         alternatives = {text: _logprob(lp) for text, lp in (tops[index] if tops is not None else [])}
         alternatives.setdefault(piece, _logprob(value))
         top_dicts.append(alternatives)
     return {
         "tokens": list(pieces),
-        "token_logprobs": [_logprob(v) for v in logprobs],
+        "token_logprobs": [None if v is None else _logprob(v) for v in logprobs],
         "top_logprobs": top_dicts,
         "text_offset": list(offsets),
     }

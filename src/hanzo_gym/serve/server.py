@@ -217,6 +217,10 @@ class _Handler(BaseHTTPRequestHandler):
 def _cards(models: ServedModels) -> list[dict[str, Any]]:
     cards = [model_card(models.name, models.created, models.host.base_model, None)]
     cards += [model_card(a.name, a.created, a.path, models.name) for a in models.adapters()]
+    for card in cards:  # what a request may ask of this server (vLLM states max_model_len too)
+        card["max_model_len"] = models.context_length
+        card["default_max_tokens"] = models.max_tokens_default
+        card["max_request_tokens"] = models.max_request_tokens
     return cards
 
 
@@ -280,10 +284,11 @@ def serve(
     renderer: str | None = None,
     name: str | None = None,
     verbose: bool = False,
+    limits: dict[str, int] | None = None,
 ) -> None:
     """Serve `host`'s base model and `adapters` (name → PEFT folder or gym:// path) until interrupted."""
     try:
-        models = ServedModels(host, adapters, renderer=renderer, name=name)
+        models = ServedModels(host, adapters, renderer=renderer, name=name, **(limits or {}))
     except APIError as error:
         raise GymError(error.message) from None
     server = Server(models, bind, port, verbose)
@@ -315,9 +320,16 @@ def run_serve(
     renderer: str | None = None,
     name: str | None = None,
     verbose: bool = False,
+    default_max_tokens: int | None = None,
+    max_request_tokens: int | None = None,
 ) -> None:
     """`gym serve`: load the base model once, then serve it with its adapters."""
     adapters = parse_adapter_specs(adapter_specs)
     if not 0 <= port <= 65535:
         raise GymError(f"--port {port}: use 0-65535")
-    serve(ModelHost(model), adapters, bind, port, renderer, name, verbose)
+    limits = {"default_max_tokens": default_max_tokens, "max_request_tokens": max_request_tokens}
+    for key, value in limits.items():
+        if value is not None and value < 1:
+            raise GymError(f"--{key.replace('_', '-')} {value}: use a positive number of tokens")
+    limits = {key: value for key, value in limits.items() if value is not None}
+    serve(ModelHost(model), adapters, bind, port, renderer, name, verbose, limits)

@@ -127,3 +127,14 @@ class TextTracker:
         delta, tokens = text[self.sent_chars :], range(self.sent_tokens, count)
         self.sent_chars, self.sent_tokens = len(text), count
         return delta, tokens
+
+
+def decode_with_starts(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int]) -> tuple[str, list[int]]:
+    """The text of `tokens` and where each token's text begins in it, decoded as a completion's tokens are
+    (tokens that each hold part of one UTF-8 character all begin where the character does)."""
+    detokenizer = Detokenizer(tokenizer)
+    text, starts = "", []
+    for token in tokens:
+        starts.append(len(text))
+        text += detokenizer.add(token)
+    return text + detokenizer.flush(), starts

@@ -84,7 +84,7 @@ class SamplerColumn:
 
 
 class _ColumnModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, allow_inf_nan=False)
     name: str
     drop: bool = False
 

@@ -30,7 +30,7 @@ DEFAULT_MODEL_ALIAS = "default"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, allow_inf_nan=False)
 
 
 class SeedSettings(_Strict):
@@ -149,6 +149,8 @@ def _explain(error: dict, loc: Loc, valid_keys: list[str]) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if kind == "literal_error":
         return f"`{key}` is {error.get('input')!r}; allowed: {error.get('ctx', {}).get('expected', '')}"
+    if kind == "finite_number":
+        message = "use a finite number"
     if not loc:
         return message
     return f"`{key}` = {error.get('input')!r}: {message}"

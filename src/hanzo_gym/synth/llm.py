@@ -37,7 +37,7 @@ _RESPONSE_FORMAT_WORDS = ("response_format", "json_schema")
 class ModelSettings(BaseModel):
     """One entry of `models:` (or the single `model:`)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, allow_inf_nan=False)
     name: str
     endpoint: str = DEFAULT_ENDPOINT
     api_key_env: str | None = "HANZO_API_KEY"

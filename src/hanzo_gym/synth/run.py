@@ -26,8 +26,9 @@ import httpx2
 import numpy as np
 
 from hanzo_gym.errors import ConfigError, GymError
-from hanzo_gym.synth.columns import ColumnFailed, RowContext
+from hanzo_gym.synth.columns import Column, ColumnFailed, RowContext
 from hanzo_gym.synth.design import Design, load_design
+from hanzo_gym.synth.expressions import TemplateTooCostly
 from hanzo_gym.synth.llm import ChatClient, ModelUsage
 from hanzo_gym.synth.plan import Plan, make_plan
 from hanzo_gym.synth.writer import RowSink
@@ -206,12 +207,15 @@ class RowMaker:
         retries = 0
         try:
             for column in self.plan.order:
-                await column.fill(row, ctx)
+                await _fill(column, row, ctx)
             budgets = [v.retries for v in validators]
             position = 0
             while position < len(validators):
                 validator = validators[position]
-                why = validator.failure(row)
+                try:
+                    why = validator.failure(row)
+                except TemplateTooCostly as exc:
+                    raise TemplateTooCostly(f"{validator.label}: {exc}") from None
                 if why is None:
                     position += 1
                     continue
@@ -222,12 +226,19 @@ class RowMaker:
                 # Sampler-only columns never await anything: let other rows and the event loop run.
                 await asyncio.sleep(0)
                 for column in self.plan.downstream[validator.column]:
-                    await column.fill(row, ctx)
+                    await _fill(column, row, ctx)
                 position = 0
         except ColumnFailed as exc:
             return Outcome(attempt, failed_column=exc.column, reason=exc.reason, retries=retries)
         row = {k: v for k, v in row.items() if k not in self._dropped_keys}
         return Outcome(attempt, row=row, retries=retries)
+
+
+async def _fill(column: Column, row: dict, ctx: RowContext) -> None:
+    try:
+        await column.fill(row, ctx)
+    except TemplateTooCostly as exc:
+        raise TemplateTooCostly(f"column `{column.name}`: {exc}") from None
 
 
 async def _settle_in_order(

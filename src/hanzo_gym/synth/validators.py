@@ -23,7 +23,7 @@ def cell_text(value: Any) -> str:
 
 
 class Validator(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, allow_inf_nan=False)
     column: str
     kind: Literal["regex", "json_schema", "length", "expression", "python"]
     name: str | None = None
