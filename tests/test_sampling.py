@@ -2,9 +2,10 @@ import pytest
 import torch
 from peft.tuners.lora import LoraLayer
 from tiny_models import tiny_model
+from transformers.cache_utils import DynamicLayer
 
 from hanzo_gym.engine import Engine
-from hanzo_gym.engine.decoding import decoding
+from hanzo_gym.engine.decoding import GrowingLayer, decoding
 from hanzo_gym.engine.sampling import DecodeBatch, Prompt, sample_groups
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.lora import attach_lora
@@ -254,3 +255,20 @@ def test_a_prompt_that_cannot_be_decoded_is_refused_before_the_batch_changes(pol
         with pytest.raises(GymError, match="temperature must be >= 0"):
             batch.add([Prompt(PROMPTS[1], 1, SamplingParams(temperature=-1))])
         assert batch.rows == 1
+
+
+def test_the_growing_cache_layer_appends_in_place_and_reads_like_a_plain_one():
+    plain, growing = DynamicLayer(), GrowingLayer()
+    torch.manual_seed(0)
+    buffers = set()
+    for length in (5, 1, 1, 1, 1, 1, 1, 1, 1, 3):
+        keys, values = torch.randn(2, 3, length, 4), torch.randn(2, 3, length, 4)
+        want = plain.update(keys, values)
+        got = growing.update(keys, values)
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+        buffers.add(growing._keys.data_ptr())
+    assert len(buffers) <= 3  # grown twice at most over 16 positions, never copied per step
+    growing.batch_select_indices(torch.tensor([1, 1, 0]))  # what merges and repeats do
+    plain.batch_select_indices(torch.tensor([1, 1, 0]))
+    growing.values = growing.values[..., 2:, :]  # assigning one side leaves the other as it was
+    assert torch.equal(growing.keys, plain.keys) and torch.equal(growing.values, plain.values[..., 2:, :])

@@ -17,9 +17,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import DynamicLayer
 
-from hanzo_gym.engine.decoding import NextTokenLogits, decoding, draw, filtered_logits, stop_string_candidates
+from hanzo_gym.engine.decoding import (
+    GrowingLayer,
+    NextTokenLogits,
+    decoding,
+    draw,
+    filtered_logits,
+    growing_cache,
+    stop_string_candidates,
+)
 from hanzo_gym.errors import GymError
 from hanzo_gym.records import SampledSequence, SamplingParams
 
@@ -112,7 +119,7 @@ class DecodeBatch:
 
     def can_add(self) -> bool:
         """Rows join a running batch by concatenating caches: only plain (full-length) cache layers allow it."""
-        return self._cache is None or all(type(layer) is DynamicLayer for layer in self._cache.layers)
+        return self._cache is None or all(isinstance(layer, GrowingLayer) for layer in self._cache.layers)
 
     # -- admission -------------------------------------------------------------------------------------------
     def check(self, prompt: Prompt) -> DecodeJob:
@@ -160,7 +167,7 @@ class DecodeBatch:
             ids[row, longest - len(prompt.tokens) :] = torch.tensor(prompt.tokens, device=device)
             mask[row, longest - len(prompt.tokens) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = growing_cache()
         logits = self._next_logits(
             input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
         )
