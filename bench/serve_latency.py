@@ -14,6 +14,7 @@ import os
 import statistics
 import threading
 import time
+import urllib.error
 import urllib.request
 
 SHORT_PROMPT = "The three primary colours are"
@@ -23,8 +24,11 @@ def post(url: str, body: dict) -> dict:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(request, timeout=3600) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=3600) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise SystemExit(f"{url} answered {error.code}: {error.read().decode(errors='replace')}") from None
 
 
 def short_request(base: str, model: str, tokens: int) -> float:
@@ -56,7 +60,7 @@ def main() -> None:
 
     host = ModelHost(str(real_model_gguf()))
     models = ServedModels(host, name="smollm2")
-    with Server(models, port=0).start() as server:
+    with Server(models, port=0) as server:
         base = server.url  # …/v1
         short_request(base, "smollm2", opts.short_tokens)  # warm-up
         idle = [short_request(base, "smollm2", opts.short_tokens) for _ in range(opts.short)]

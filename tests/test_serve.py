@@ -346,8 +346,8 @@ def test_concurrent_requests_are_batched_and_each_answered_correctly(
 def test_a_short_request_does_not_wait_for_a_long_one(
     client, tiny_dir, engine, word_tokenizer, monkeypatch, short_model
 ):
-    """The long request decodes 200 tokens at >= 5 ms a step; the short one, sent once it runs, joins its
-    batch (the same model) or takes turns with it (another adapter), and is answered long before it ends."""
+    """The long request decodes 200 tokens at >= 5 ms a step; the short one, sent once it runs, decodes beside it
+    (the same model) or takes turns with it (another adapter), and is answered long before it ends."""
     short_model = tiny_dir if short_model == "base" else short_model
     original = DecodeBatch.step
     steps = []
@@ -372,15 +372,13 @@ def test_a_short_request_does_not_wait_for_a_long_one(
     reply = client.completions.create(model=short_model, prompt=LONG_TEXT, max_tokens=4, temperature=0)
     steps_when_answered = len(steps)
     long_thread.join(timeout=120)
-    assert steps_when_answered < 100, steps_when_answered  # of the long request's 200
+    assert steps_when_answered < 40, steps_when_answered  # of the long request's 200
     assert long_answer["reply"].usage.completion_tokens == 200
     sampler = engine.base if short_model == tiny_dir else engine.tuned
     want = text_of(word_tokenizer, greedy(sampler, word_tokenizer(LONG_TEXT)["input_ids"], 4)[0])
     assert reply.choices[0].text == want
     long_alone = greedy(engine.base, [11, 12], 200)[0]
     assert long_answer["reply"].choices[0].text == text_of(word_tokenizer, long_alone)
-    if short_model == tiny_dir:
-        assert max(steps) >= 2  # the short request's row decoded in the long request's batch
 
 
 def test_adapters_load_and_unload_while_serving(client, server, engine, monkeypatch):

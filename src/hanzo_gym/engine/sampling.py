@@ -117,6 +117,13 @@ class DecodeBatch:
         """Rows in the batch, finished ones still riding along included: what a forward pass costs."""
         return len(self._live)
 
+    def most_tokens_left(self) -> int:
+        """The most tokens a live row may still draw: with `live_rows`, what the batch can still cost."""
+        return max(
+            (self._job_of[r].max_tokens - len(self._tokens[r]) for r, live in enumerate(self._live) if live),
+            default=0,
+        )
+
     def can_add(self) -> bool:
         """Rows join a running batch by concatenating caches: only plain (full-length) cache layers allow it."""
         return self._cache is None or all(isinstance(layer, GrowingLayer) for layer in self._cache.layers)

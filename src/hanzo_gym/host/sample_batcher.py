@@ -1,10 +1,14 @@
 """Sampling requests from many threads, decoded together as they come (continuous batching).
 
 One thread drives the model. Requests for the same adapter share a lane: one `DecodeBatch` whose rows join
-between decode steps and leave as they finish, so a short request sent while a long one decodes is prefilled at
-the next step and then decodes alongside it instead of waiting for it. Lanes of different adapters take turns
-of a few steps each (the host serves one adapter at a time). A seeded request gets a lane of its own, so a seed
-reproduces its own result whatever else is running.
+between decode steps and leave as they finish. A request that arrives at a lane which has been decoding for a
+while and can still cost much more than the request (rows × tokens left) starts a lane of its own instead, and
+lanes of one adapter take steps in inverse proportion to what they can still cost, the cheapest first: a step's
+cost grows with its rows (on a CPU, 2 rows cost 1.6× one), so a short request beside a long one finishes at
+nearly its own pace, and the long one waits only for the short one's few steps (bench/serve_latency.py). Lanes
+of different adapters take turns of at least 16 steps (the host serves one adapter at a time; on CPU each turn
+folds the adapter's LoRA into the weights). A seeded request gets a lane of its own, so a seed reproduces its
+own result whatever else is running.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.records import SampledSequence, SamplingParams
 
 MAX_ROWS_PER_LANE = 256  # a fuller lane makes another lane of the same adapter: the two take turns
-STEPS_PER_TURN = 16  # while other lanes wait; on CPU each turn refolds its adapter's LoRA into the weights
+JOINS_WHILE_STEPS = 8  # a lane this young takes any request of its adapter (a burst of requests is one batch)
+JOINS_UP_TO_COST = 4  # later, it takes a request only if it can cost at most 4× what the request can
+STEPS_PER_TURN = (
+    16  # of one adapter's lanes while other adapters wait; also the most steps a lane gets per round
+)
 
 
 @dataclass(eq=False)
@@ -39,6 +47,10 @@ class _Request:
     owner: object = None  # kept alive while the request runs: a client's adapter lives as long as the client
     cancel: threading.Event | None = None  # set through SampleBatcher.cancel when nobody waits for the result
 
+    def cost(self) -> int:
+        """The most tokens it can draw (a request without max_tokens counts as a long one)."""
+        return self.num_samples * (self.params.max_tokens or 4096)
+
     @property
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
@@ -51,9 +63,15 @@ class _Lane:
     waiting: list[_Request] = field(default_factory=list)
     running: dict[DecodeJob, _Request] = field(default_factory=dict)
     batch: DecodeBatch | None = None
+    steps: int = 0  # decode steps since the lane began
 
     def rows(self) -> int:
         return sum(r.num_samples for r in self.waiting) + (self.batch.rows if self.batch else 0)
+
+    def cost(self) -> int:
+        """What the lane can still cost, in row-steps."""
+        running = self.batch.live_rows * self.batch.most_tokens_left() if self.batch else 0
+        return running + sum(r.cost() for r in self.waiting)
 
     def idle(self) -> bool:
         return not self.waiting and not self.running
@@ -65,7 +83,16 @@ class _Lane:
             and request.adapter == self.adapter
             and (self.batch is None or self.batch.can_add())
             and self.rows() + request.num_samples <= MAX_ROWS_PER_LANE
+            and (self.steps < JOINS_WHILE_STEPS or self.cost() <= JOINS_UP_TO_COST * request.cost())
         )
+
+    def fail(self, exc: BaseException) -> None:
+        for request in [*self.waiting, *self.running.values()]:
+            if not request.future.done():
+                request.future.set_exception(exc)
+        self.waiting.clear()
+        self.running.clear()
+        self.batch = None
 
 
 class SampleBatcher:
@@ -126,20 +153,21 @@ class SampleBatcher:
                 self._route_queued()
                 if not self._lanes:
                     return  # closing, and nothing left to do
-            lane = self._lanes[0]
-            self._lanes.rotate(-1)
+            adapter = self._lanes[0].adapter
             try:
-                self._run_turn(lane)
-            except BaseException as exc:  # noqa: BLE001 - the thread must outlive any one lane
-                for request in [*lane.waiting, *lane.running.values()]:
-                    if not request.future.done():
-                        request.future.set_exception(exc)
-                lane.waiting.clear()
-                lane.running.clear()
-                lane.batch = None
-            if lane.idle():
-                self._lanes.remove(lane)
-            del lane  # its requests hold their clients alive: let them go while the thread waits
+                self._run_turn(adapter)
+            except BaseException as exc:  # noqa: BLE001 - the thread must outlive any one adapter's failure
+                for lane in self._lanes_of(adapter):
+                    lane.fail(exc)
+            # This adapter's lanes go to the back; those with nothing left go (their requests hold their clients
+            # alive: let them go while the thread waits).
+            self._lanes = collections.deque(
+                [lane for lane in self._lanes if lane.adapter != adapter]
+                + [lane for lane in self._lanes if lane.adapter == adapter and not lane.idle()]
+            )
+
+    def _lanes_of(self, adapter: str | None) -> list[_Lane]:
+        return [lane for lane in self._lanes if lane.adapter == adapter]
 
     def _route_queued(self) -> None:
         """Move what was submitted into lanes. Called with `_wakeup` held."""
@@ -151,33 +179,56 @@ class SampleBatcher:
                 self._lanes.append(lane)
             lane.waiting.append(request)
 
-    def _run_turn(self, lane: _Lane) -> None:
-        with self.host.using(lane.adapter) as model, decoding(model):
-            if lane.batch is None:
-                lane.batch = DecodeBatch(model, self.host.tokenizer, seed=lane.seed)
-            lane.batch.bind(model)
+    def _run_turn(self, adapter: str | None) -> None:
+        """Decode `adapter`'s lanes, each round giving every lane steps in inverse proportion to what it can
+        still cost, until they are done or, with another adapter waiting, the turn has had its steps."""
+        with self.host.using(adapter) as model, decoding(model):
             steps = 0
             while True:
-                if self._cancellations.is_set():
-                    self._drop_cancelled()
-                self._admit(lane)
-                if not lane.running:
+                lanes = self._lanes_of(adapter)
+                for lane in lanes:
+                    if lane.batch is not None:
+                        lane.batch.bind(model)
+                    self._admit(lane, model)
+                running = [lane for lane in lanes if lane.running]
+                if not running:
                     return
-                for job in lane.batch.step():
-                    request = lane.running.pop(job)
-                    if not request.future.done():
-                        request.future.set_result(job.sequences)
-                steps += 1
-                if self._queue:  # read without the lock: a request missed now is seen at the next step
-                    with self._wakeup:
-                        self._route_queued()
-                others_wait = any(other is not lane for other in self._lanes)
-                if others_wait and steps >= STEPS_PER_TURN:
+                costs = {lane: max(1, lane.cost()) for lane in running}
+                dearest = max(costs.values())
+                for lane in running:
+                    for _ in range(min(STEPS_PER_TURN, max(1, round(dearest / costs[lane])))):
+                        if not lane.running:
+                            break
+                        self._step(lane)
+                        steps += 1
+                        self._admit(lane, model)  # what arrived meanwhile joins at the lane's next step
+                if steps >= STEPS_PER_TURN and any(lane.adapter != adapter for lane in self._lanes):
                     return
 
-    def _admit(self, lane: _Lane) -> None:
+    def _step(self, lane: _Lane) -> None:
+        try:
+            finished = lane.batch.step()
+        except BaseException as exc:  # noqa: BLE001 - this lane's requests fail, the others go on
+            lane.fail(exc)
+            return
+        lane.steps += 1
+        for job in finished:
+            request = lane.running.pop(job)
+            if not request.future.done():
+                request.future.set_result(job.sequences)
+        if self._queue:  # read without the lock: a request missed now is seen at the next step
+            with self._wakeup:
+                self._route_queued()
+        if self._cancellations.is_set():
+            self._drop_cancelled()
+
+    def _admit(self, lane: _Lane, model: torch.nn.Module) -> None:
         """Prefill the lane's waiting requests into its batch (one pass); a request that cannot be decoded
         fails alone."""
+        if not lane.waiting:
+            return
+        if lane.batch is None:
+            lane.batch = DecodeBatch(model, self.host.tokenizer, seed=lane.seed)
         admitted: list[tuple[_Request, Prompt]] = []
         for request in lane.waiting:
             if not request.future.set_running_or_notify_cancel():

@@ -255,6 +255,8 @@ class Server:
         return f"serving {', '.join(self.models.names())} on {self.url}"
 
     def start(self) -> Self:
+        if self._thread is not None:
+            return self  # a second serving thread would outlive stop(): shutdown() ends only one of them
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="hanzo-gym-serve", daemon=True)
         self._thread.start()
         return self
