@@ -159,9 +159,9 @@ def run_ours(
     from hanzo_gym.config import parse_config
     from hanzo_gym.data.prompts import load_prompts
     from hanzo_gym.loops.grpo import train_grpo
-    from hanzo_gym.model.hub import load_tokenizer
     from hanzo_gym.loops.run_dir import RunDir
     from hanzo_gym.loops.train import build_engine
+    from hanzo_gym.model.hub import load_tokenizer
 
     cfg = parse_config(
         {

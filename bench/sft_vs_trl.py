@@ -131,10 +131,10 @@ def run_ours(model_dir: str, data_path: str, work_dir: str, steps: int, batch: i
 
     from hanzo_gym.config import parse_config
     from hanzo_gym.data.dataset import load_examples
-    from hanzo_gym.model.hub import load_tokenizer
     from hanzo_gym.loops.run_dir import RunDir
     from hanzo_gym.loops.sft import train_sft
     from hanzo_gym.loops.train import build_engine
+    from hanzo_gym.model.hub import load_tokenizer
 
     cfg = parse_config(
         {
