@@ -119,22 +119,35 @@ def tiny_dir(tmp_path_factory, word_tokenizer) -> str:
     return str(save_tiny_word_model(directory, word_tokenizer, pad_token_id=word_tokenizer.pad_token_id))
 
 
-@pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory, qwen3_tokenizer) -> Path:
-    """A tiny random Qwen3 that uses the real Qwen3 tokenizer."""
+def save_tiny_qwen3(directory: Path, qwen3_tokenizer, **overrides) -> Path:
+    """A tiny random Qwen3 with the real Qwen3 tokenizer, saved as a model folder."""
     from tiny_models import tiny_model
 
-    directory = tmp_path_factory.mktemp("tiny-qwen3")
     model = tiny_model(
         "qwen3",
         vocab_size=len(qwen3_tokenizer),
         eos_token_id=qwen3_tokenizer.eos_token_id,
         pad_token_id=None,
         bos_token_id=None,
+        **overrides,
     )
     model.save_pretrained(directory)
     qwen3_tokenizer.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory, qwen3_tokenizer) -> Path:
+    """A tiny random Qwen3 that uses the real Qwen3 tokenizer."""
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), qwen3_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def wide_qwen3_dir(tmp_path_factory, qwen3_tokenizer) -> str:
+    """The tiny Qwen3 with a wide initialisation, so that log-probabilities differ from position to position
+    (with the default 0.02 every token scores about -log(vocab)): what scoring tests compare."""
+    directory = tmp_path_factory.mktemp("wide-qwen3")
+    return str(save_tiny_qwen3(directory, qwen3_tokenizer, initializer_range=0.2))
 
 
 @pytest.fixture(scope="session")

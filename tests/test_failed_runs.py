@@ -40,47 +40,32 @@ def dialogues(tmp_path_factory):
     return path
 
 
-def _grpo(tmp_path, base, data, **overrides):
+def _config(tmp_path, base, data, data_type, **settings):
+    """A config file: a LoRA run of the tiny model on `data`, with `settings` on top."""
     cfg = {
         "base_model": str(base),
-        "datasets": [{"path": str(data), "type": "completion"}],
+        "datasets": [{"path": str(data), "type": data_type}],
         "output_dir": str(tmp_path / "run"),
         "sequence_len": 32,
         "adapter": "lora",
-        "lora_r": 8,
-        "lora_alpha": 16,
         "lora_target_linear": True,
-        "rl": "grpo",
-        "trl": {"num_generations": 4, "max_completion_length": 3, "reward_funcs": ["format:four"]},
         "micro_batch_size": 2,
-        "max_steps": 2,
-        "save_steps": 1,
-        "learning_rate": 3e-2,
         "logging_steps": 1,
         "seed": 3,
+        **settings,
     }
-    cfg.update(overrides)
     return _written(tmp_path, cfg)
+
+
+def _grpo(tmp_path, base, data, **overrides):
+    trl = {"num_generations": 4, "max_completion_length": 3, "reward_funcs": ["format:four"]}
+    settings = {"lora_r": 8, "lora_alpha": 16, "rl": "grpo", "trl": trl, "max_steps": 2, "save_steps": 1}
+    return _config(tmp_path, base, data, "completion", **{**settings, "learning_rate": 3e-2, **overrides})
 
 
 def _sft(tmp_path, base, data, **overrides):
-    cfg = {
-        "base_model": str(base),
-        "datasets": [{"path": str(data), "type": "chat_template"}],
-        "output_dir": str(tmp_path / "run"),
-        "sequence_len": 32,
-        "adapter": "lora",
-        "lora_r": 4,
-        "lora_alpha": 8,
-        "lora_target_linear": True,
-        "micro_batch_size": 2,
-        "max_steps": 3,
-        "learning_rate": 1e-2,
-        "logging_steps": 1,
-        "seed": 3,
-    }
-    cfg.update(overrides)
-    return _written(tmp_path, cfg)
+    settings = {"lora_r": 4, "lora_alpha": 8, "max_steps": 3, "learning_rate": 1e-2}
+    return _config(tmp_path, base, data, "chat_template", **{**settings, **overrides})
 
 
 def _written(tmp_path, cfg):

@@ -28,29 +28,9 @@ TOP = 3
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, qwen3_tokenizer) -> str:
-    """A tiny random Qwen3 with a wide initialisation, so that log-probabilities differ from position to
-    position (with the default 0.02 every token scores about -log(vocab))."""
-    from tiny_models import tiny_model
-
-    directory = tmp_path_factory.mktemp("echo-qwen3")
-    model = tiny_model(
-        "qwen3",
-        vocab_size=len(qwen3_tokenizer),
-        eos_token_id=qwen3_tokenizer.eos_token_id,
-        pad_token_id=None,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )
-    model.save_pretrained(directory)
-    qwen3_tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory, base_dir) -> str:
+def adapter_dir(tmp_path_factory, wide_qwen3_dir) -> str:
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(wide_qwen3_dir)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     directory = tmp_path_factory.mktemp("echo-adapter")
     get_peft_model(model, config).save_pretrained(directory)
@@ -58,16 +38,18 @@ def adapter_dir(tmp_path_factory, base_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def references(base_dir, adapter_dir) -> dict:
+def references(wide_qwen3_dir, adapter_dir) -> dict:
     """Plain transformers (and peft) models: what the server's numbers must match, by served model name."""
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
-    return {base_dir: base, "tuned": tuned}
+    base = AutoModelForCausalLM.from_pretrained(wide_qwen3_dir, dtype=torch.float32).eval()
+    tuned = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(wide_qwen3_dir), adapter_dir
+    ).eval()
+    return {wide_qwen3_dir: base, "tuned": tuned}
 
 
 @pytest.fixture(scope="module")
-def served(base_dir, adapter_dir):
-    models = ServedModels(ModelHost(base_dir), {"tuned": adapter_dir})
+def served(wide_qwen3_dir, adapter_dir):
+    models = ServedModels(ModelHost(wide_qwen3_dir), {"tuned": adapter_dir})
     with Server(models, port=0) as server:
         yield server
 
@@ -98,9 +80,9 @@ def pieces(tokenizer, tokens: list[int]) -> list[str]:
 # -- the prompt's own scores ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("adapter", [False, True], ids=["base", "adapter"])
 def test_echo_scores_each_prompt_token_like_transformers(
-    served, references, base_dir, qwen3_tokenizer, adapter
+    served, references, wide_qwen3_dir, qwen3_tokenizer, adapter
 ):
-    name = "tuned" if adapter else base_dir
+    name = "tuned" if adapter else wide_qwen3_dir
     text_tokens = qwen3_tokenizer(TEXT_PROMPT)["input_ids"]
     status, reply = post(
         served,
@@ -137,9 +119,9 @@ def test_echo_scores_each_prompt_token_like_transformers(
             assert top == pytest.approx(wanted, abs=1e-4)  # the top 3 and the prompt's own token
 
 
-def test_the_adapter_changes_the_prompt_scores(served, base_dir):
+def test_the_adapter_changes_the_prompt_scores(served, wide_qwen3_dir):
     body = {"prompt": TOKEN_PROMPT, "echo": True, "logprobs": 0, "max_tokens": 0}
-    _, base = post(served, {**body, "model": base_dir})
+    _, base = post(served, {**body, "model": wide_qwen3_dir})
     _, tuned = post(served, {**body, "model": "tuned"})
     base_values = base["choices"][0]["logprobs"]["token_logprobs"][1:]
     tuned_values = tuned["choices"][0]["logprobs"]["token_logprobs"][1:]
@@ -149,9 +131,9 @@ def test_the_adapter_changes_the_prompt_scores(served, base_dir):
     assert top[0] is None and all(len(t) == 1 for t in top[1:])
 
 
-def test_text_offsets_index_the_echoed_text(served, base_dir, qwen3_tokenizer):
+def test_text_offsets_index_the_echoed_text(served, wide_qwen3_dir, qwen3_tokenizer):
     _, reply = post(
-        served, {"model": base_dir, "prompt": TEXT_PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0}
+        served, {"model": wide_qwen3_dir, "prompt": TEXT_PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0}
     )
     logprobs = reply["choices"][0]["logprobs"]
     offsets, tokens = logprobs["text_offset"], logprobs["tokens"]
@@ -164,8 +146,8 @@ def test_text_offsets_index_the_echoed_text(served, base_dir, qwen3_tokenizer):
 
 
 # -- echo followed by a completion ---------------------------------------------------------------------------
-def test_echo_puts_the_prompt_before_the_completion(served, base_dir, qwen3_tokenizer):
-    body = {"model": base_dir, "prompt": TEXT_PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 2}
+def test_echo_puts_the_prompt_before_the_completion(served, wide_qwen3_dir, qwen3_tokenizer):
+    body = {"model": wide_qwen3_dir, "prompt": TEXT_PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 2}
     _, plain = post(served, body)
     _, echoed = post(served, {**body, "echo": True})
     _, scored = post(served, {**body, "echo": True, "max_tokens": 0})
@@ -251,8 +233,8 @@ def test_bad_echo_requests_get_a_400_naming_the_parameter(served, body, param, s
 
 
 # -- the engine function alone ------------------------------------------------------------------------------
-def test_prompt_logprobs_in_chunks_match_the_full_logits(references, base_dir):
-    model = references[base_dir]
+def test_prompt_logprobs_in_chunks_match_the_full_logits(references, wide_qwen3_dir):
+    model = references[wide_qwen3_dir]
     expected = reference_logprobs(model, TOKEN_PROMPT)
     for chunk in (2, 3, 1024):  # chunks that do and do not divide the 7 scored positions
         scores = prompt_logprobs(model, TOKEN_PROMPT, top_k=4, chunk=chunk)

@@ -135,31 +135,15 @@ def generations(results: dict) -> dict[int, str]:
 
 
 # -- a tiny model: fast enough for every run ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_base_dir(tmp_path_factory, qwen3_tokenizer) -> str:
-    from tiny_models import tiny_model
-
-    directory = tmp_path_factory.mktemp("lm-eval-qwen3")
-    model = tiny_model(
-        "qwen3",
-        vocab_size=len(qwen3_tokenizer),
-        eos_token_id=qwen3_tokenizer.eos_token_id,
-        pad_token_id=None,
-        bos_token_id=None,
-        initializer_range=0.2,  # answers whose scores differ: with 0.02 every token is about -log(vocab)
-    )
-    model.save_pretrained(directory)
-    qwen3_tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
-def test_lm_eval_local_completions_matches_hf_on_a_tiny_model(tmp_path, offline, tiny_base_dir):
+def test_lm_eval_local_completions_matches_hf_on_a_tiny_model(tmp_path, offline, wide_qwen3_dir):
     tasks = write_tasks(tmp_path)
-    with Server(ServedModels(ModelHost(tiny_base_dir), name="tiny"), port=0) as server:
+    with Server(ServedModels(ModelHost(wide_qwen3_dir), name="tiny"), port=0) as server:
         served = evaluate(
-            "local-completions", served_args(server, "tiny", tiny_base_dir, 2), ["gym_choice"], tasks
+            "local-completions", served_args(server, "tiny", wide_qwen3_dir, 2), ["gym_choice"], tasks
         )
-    worst = assert_same_choices(served, evaluate("hf", hf_args(tiny_base_dir), ["gym_choice"], tasks))
+    worst = assert_same_choices(served, evaluate("hf", hf_args(wide_qwen3_dir), ["gym_choice"], tasks))
     print(f"\nlargest log-likelihood difference, tiny model: {worst:.2e}")
 
 

@@ -505,6 +505,4 @@ def test_a_data_designer_name_and_ours_together_is_an_error_on_the_alias_line(tm
     )
     assert lines[1] == f"{tmp_path}/design.yaml:7: column `h`: gaussian needs std > 0"
     # A key-level error names the alias as written, on its line.
-    assert (
-        lines[2] == f"{tmp_path}/design.yaml:11: column `i`: `stddev` = inf: use a finite number"
-    )
+    assert lines[2] == f"{tmp_path}/design.yaml:11: column `i`: `stddev` = inf: use a finite number"
