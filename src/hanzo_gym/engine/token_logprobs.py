@@ -73,6 +73,20 @@ def token_logprobs(
     return _ChunkedTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk)
 
 
+def plain_output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """The decoder and the output projection when the logits are just `hidden @ Wᵀ` (no bias, no scaling or
+    capping), so a caller may apply the projection itself; None when only the model's own forward can."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = causal_lm.get_output_embeddings()
+    scaled = any(
+        getattr(causal_lm.config, key, None)
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    )
+    if isinstance(head, torch.nn.Linear) and head.bias is None and not scaled:
+        return causal_lm.get_decoder(), head
+    return None
+
+
 @dataclass
 class PromptLogprobs:
     """What a sequence's own tokens score under the model, for positions 1…T-1 (position 0 has no context)."""
@@ -91,20 +105,16 @@ def prompt_logprobs(
     never exist."""
     if len(tokens) < 1:
         raise ValueError("prompt_logprobs needs at least one token")
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = causal_lm.get_output_embeddings()
-    plain_head = isinstance(head, torch.nn.Linear) and not any(
-        getattr(causal_lm.config, key, None)
-        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
-    )
+    plain = plain_output_head(model)
     device = next(model.parameters()).device
     input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            if plain_head:
-                hidden_TH = causal_lm.get_decoder()(input_ids=input_ids).last_hidden_state[0]
+            if plain is not None:
+                decoder, head = plain
+                hidden_TH = decoder(input_ids=input_ids).last_hidden_state[0]
                 logits_of = lambda start, end: head(hidden_TH[start:end]).float()
             else:  # a scaled or capped head: let the model's own forward apply it
                 logits_TV = model(input_ids=input_ids).logits[0]
