@@ -115,7 +115,7 @@ def test_unknown_nested_key_names_its_path(tmp_path):
 
 def test_bad_enum_value_lists_what_is_allowed(tmp_path):
     message = _error(tmp_path, BASE + "lr_scheduler: cosin\n")
-    assert "run.yaml:8" in message and "'cosine', 'linear' or 'constant'" in message and "`cosine`" in message
+    assert "run.yaml:8" in message and "'cosine', 'linear', 'constant'" in message and "`cosine`" in message
     message = _error(tmp_path, BASE.replace("type: chat_template", "type: sharegpt"))
     assert "run.yaml:7" in message and "datasets[0].type" in message and "'alpaca'" in message
 
@@ -134,7 +134,10 @@ def test_duplicate_key_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ("load_in_8bit: true\n", "8-bit loading is not supported yet"),
+        (
+            "load_in_8bit: true\n",
+            "Axolotl's `load_in_8bit` (a bitsandbytes 8-bit base model) is not supported yet",
+        ),
         ("rl: dpo\n", "DPO family) is not supported yet"),
     ],
 )
@@ -153,13 +156,16 @@ def test_qlora_needs_both_keys_and_full_finetune_fails_at_load(tmp_path):
 
 def test_adapter_and_datasets_are_required(tmp_path):
     # Neither has a default that could validate: leaving one out says so, rather than failing on the default.
-    assert _error(tmp_path, BASE.replace("adapter: lora\n", "")).endswith("`adapter` is required")
-    assert _error(tmp_path, BASE.split("datasets:")[0]).endswith("`datasets` is required")
+    # Axolotl reads a missing or empty `adapter` as full fine-tuning: say that, not just "required".
+    for text in (BASE.replace("adapter: lora\n", ""), BASE.replace("adapter: lora\n", "adapter:\n")):
+        assert "`adapter` is absent or empty: Axolotl then trains the full model" in _error(tmp_path, text)
+    required = "`datasets` is required: list at least one dataset, each with its `path` and `type`"
+    for datasets in ("", "datasets:\n", "datasets: []\n"):
+        assert _error(tmp_path, BASE.split("datasets:")[0] + datasets).endswith(required)
 
 
 def test_cross_key_rules(tmp_path):
     assert "lora_target_modules" in _error(tmp_path, BASE.replace("lora_target_linear: true\n", ""))
-    assert "at least 1 item" in _error(tmp_path, BASE.split("datasets:")[0] + "datasets: []\n")
     assert "needs `trl.reward_funcs`" in _error(tmp_path, BASE + "rl: grpo\n")
     message = _error(
         tmp_path, BASE + "rl: grpo\ntrl:\n  reward_funcs: [exact_match]\n  reward_weights: [1, 2]\n"
@@ -252,3 +258,119 @@ def test_a_config_nested_a_hundred_levels_is_refused_and_ninety_load(tmp_path):
 def test_non_finite_floats_are_refused_with_key_and_line(tmp_path, key, value):
     message = _error(tmp_path, BASE + f"{key}: {value}\n")
     assert message.startswith(f"{tmp_path / 'run.yaml'}:8: `{key}`") and "finite" in message
+
+
+def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
+    text = BASE + "    roles_to_train:\n    train_on_eos:\n"  # datasets[0]'s keys, written empty
+    text += (
+        "sample_packing:\nwarmup_steps:\nlearning_rate:\nwandb_project:\nwandb_entity:\nspecial_tokens:\n"
+        "lora_model_dir:\ndataset_prepared_path:\ntrl:\noptimizer:\n"
+    )
+    cfg = _load(tmp_path, text)
+    assert (cfg.sample_packing, cfg.warmup_steps, cfg.learning_rate, cfg.optimizer) == (
+        False,
+        None,
+        2e-4,
+        "adamw_torch_fused",
+    )
+    assert cfg.trl.num_generations == 4
+    assert (cfg.datasets[0].roles_to_train, cfg.datasets[0].train_on_eos) == (["assistant"], "turn")
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("lora_model_dir: ./adapter\n", "`lora_model_dir` (starting from an existing LoRA adapter)"),
+        ("tokenizer_type: AutoTokenizer\n", "`tokenizer_type` (the tokenizer loader class)"),
+        ("fp16: true\n", "`fp16` (float16 mixed precision)"),
+        ("deepspeed: deepspeed_configs/zero2.json\n", "`deepspeed` (DeepSpeed ZeRO sharding)"),
+        ("wandb_project: my-run\n", "`wandb_project` (Weights & Biases logging"),
+        ("special_tokens:\n  pad_token: <pad>\n", "`special_tokens` (setting the pad/bos/eos/unk tokens)"),
+        ("    name: main\n", "`datasets[0].name` (the Hugging Face dataset config name)"),
+        ("trl:\n  use_vllm: true\n", "`trl.use_vllm` (rollouts on a vLLM server)"),
+    ],
+)
+def test_known_axolotl_keys_name_their_feature_never_another_key(tmp_path, extra, expected):
+    message = _error(tmp_path, BASE + extra)
+    assert f"Axolotl's {expected}" in message and "is not supported yet" in message
+    assert "did you mean" not in message and message.count("\n") == 0
+
+
+def test_did_you_mean_only_for_close_misspellings(tmp_path):
+    assert "did you mean `lr_scheduler`?" in _error(tmp_path, BASE + "lr_schedular: cosine\n")
+    assert "did you mean `micro_batch_size`?" in _error(tmp_path, BASE + "micro_batchsize: 2\n")
+    message = _error(tmp_path, BASE + "adam_eps: 1.0e-6\n")  # not a key anywhere, and far from every key
+    assert (
+        "unknown key `adam_eps`" in message and "did you mean" not in message and "valid keys here" in message
+    )
+
+
+def test_every_refusal_of_a_file_is_listed_together_in_line_order(tmp_path):
+    text = BASE + (
+        "deepspeed: zero2.json\n"  # 8
+        "lora_alpah: 32\n"  # 9
+        "micro_batch_size: 0\n"  # 10
+        "rl: dpo\n"  # 11
+        "wandb_project: demo\n"  # 12
+        "optimizer: sgd\n"  # 13
+    )
+    lines = _error(tmp_path, text).splitlines()
+    assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in lines] == ["8", "9", "10", "11", "12", "13"]
+    assert "`deepspeed`" in lines[0] and "`lora_alpah`" in lines[1] and "`micro_batch_size`" in lines[2]
+    assert "rl: dpo" in lines[3] and "`wandb_project`" in lines[4] and "optimizer: sgd" in lines[5]
+
+
+def test_unknown_keys_still_fail(tmp_path):
+    assert "unknown key `frobnicate`" in _error(tmp_path, BASE + "frobnicate: true\n")
+    assert "unknown key `frobnicate`" in _error(tmp_path, BASE + "frobnicate:\n")
+
+
+def test_optimizer_and_adam_keys(tmp_path):
+    cfg = _load(tmp_path, BASE)
+    assert (cfg.optimizer, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon) == (
+        "adamw_torch_fused",
+        0.9,
+        0.999,
+        1e-8,
+    )
+    cfg = _load(
+        tmp_path,
+        BASE + "optimizer: paged_adamw_8bit\nadam_beta1: 0.8\nadam_beta2: 0.95\nadam_epsilon: 1e-6\n",
+    )
+    assert (cfg.optimizer, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon) == (
+        "paged_adamw_8bit",
+        0.8,
+        0.95,
+        1e-6,
+    )
+    from hanzo_gym.loops.schedule import adam_params
+
+    adam = adam_params(cfg, 0, 10)
+    assert (adam.beta1, adam.beta2, adam.eps) == (0.8, 0.95, 1e-6)
+    for other in ("sgd", "adafactor", "lion_8bit"):
+        message = _error(tmp_path, BASE + f"optimizer: {other}\n")
+        assert f"run.yaml:8: Axolotl's `optimizer: {other}` (an update rule other than AdamW)" in message
+    assert "less than 1" in _error(tmp_path, BASE + "adam_beta2: 1.0\n")
+
+
+def test_lr_scheduler_variants_and_min_lr_ratio(tmp_path):
+    cfg = _load(tmp_path, BASE + "lr_scheduler: cosine\ncosine_min_lr_ratio: 0.1\n")
+    assert cfg.cosine_min_lr_ratio == 0.1
+    assert (
+        _load(tmp_path, BASE + "lr_scheduler: constant_with_warmup\n").lr_scheduler == "constant_with_warmup"
+    )
+    assert "needs `cosine_min_lr_ratio`" in _error(tmp_path, BASE + "lr_scheduler: cosine_with_min_lr\n")
+    assert "applies to the cosine schedule" in _error(
+        tmp_path, BASE + "lr_scheduler: linear\ncosine_min_lr_ratio: 0.1\n"
+    )
+    assert "`lr_scheduler: rex` is not supported yet" in _error(tmp_path, BASE + "lr_scheduler: rex\n")
+
+
+def test_gradient_checkpointing_kwargs_take_the_non_reentrant_kind(tmp_path):
+    cfg = _load(
+        tmp_path,
+        BASE + "gradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n",
+    )
+    assert cfg.gradient_checkpointing_kwargs.use_reentrant is False
+    message = _error(tmp_path, BASE + "gradient_checkpointing_kwargs:\n  use_reentrant: true\n")
+    assert "run.yaml:9" in message and "reentrant checkpointing is not supported" in message

@@ -114,7 +114,9 @@ def test_a_reward_that_raises_at_step_1_leaves_the_finished_run_intact(
     out, err = capsys.readouterr()
     assert _error_lines(err) == [line for line in err.splitlines() if line.strip()]
     (line,) = _error_lines(err)
-    assert line.startswith("error: step 1: ValueError: the grader is down")
+    assert line.startswith(
+        "error: step 1: reward function python:reward_that_raises:score raised ValueError: the grader is down"
+    )
     assert "reward_that_raises.py:2" in line and "fix the reward function" in line
     assert "stay until this run has its first checkpoint" in out and "holds the previous run" in out
     assert _snapshot(tmp_path / "run") == before  # metrics, checkpoints, config.json and adapter

@@ -16,7 +16,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from hanzo_gym.errors import ConfigError, GymError
-from hanzo_gym.rewards import Completion, RewardFunction, parse_reward, remote, score_completions
+from hanzo_gym.rewards import (
+    Completion,
+    RewardFunction,
+    RewardFunctionFailed,
+    parse_reward,
+    remote,
+    score_completions,
+)
 
 
 def completion(text: str, answer: str | None = None, num_tokens: int = 1, prompt: str = "Q?") -> Completion:
@@ -240,12 +247,15 @@ def test_python_reward_with_bad_scores_fails_naming_it(user_module, returned, me
     assert spec in str(error.value)
 
 
-def test_python_reward_exception_keeps_its_type_and_names_the_reward(user_module):
+def test_a_reward_that_raises_is_one_error_naming_the_reward_its_error_and_its_line(user_module):
     module = user_module("def reward(completions):\n    raise KeyError(42)\n")
     spec = f"python:{module}:reward"
-    with pytest.raises(KeyError) as error:
-        parse_reward(spec)([completion("a")])
-    assert any(spec in note for note in error.value.__notes__)
+    with pytest.raises(RewardFunctionFailed) as error:
+        score_completions([parse_reward(spec)], None, [completion("a")])
+    message = str(error.value)
+    assert f"reward function {spec} raised KeyError: 42 at " in message
+    assert message.endswith(f"{module}.py:2; fix the reward function and run again")
+    assert isinstance(error.value.__cause__, KeyError)
 
 
 # --- weighting and concurrency -------------------------------------------------------------------------

@@ -10,16 +10,60 @@ from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import lr_at
 
 
-def test_warmup_then_cosine():
+def test_warmup_starts_at_zero_then_cosine():
+    # HF's warmup: step 0 trains at lr 0, the last warmup step at (warmup - 1) / warmup of the peak.
     lrs = {s: lr_at(s, 110, 1.0, 10, "cosine") for s in (0, 9, 10, 60, 110)}
-    assert lrs == pytest.approx({0: 0.1, 9: 1.0, 10: 1.0, 60: 0.5, 110: 0.0}, abs=1e-12)
+    assert lrs == pytest.approx({0: 0.0, 9: 0.9, 10: 1.0, 60: 0.5, 110: 0.0}, abs=1e-12)
 
 
-def test_linear_and_constant():
+def test_constant_ignores_warmup_as_hf_does():
+    assert lr_at(0, 10, 2.0, 4, "constant") == 2.0
+    assert lr_at(0, 10, 2.0, 4, "constant_with_warmup") == 0.0
+    assert lr_at(2, 10, 2.0, 4, "constant_with_warmup") == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "hf_kwargs", "min_lr_ratio"),
+    [
+        ("cosine", {}, 0.0),
+        ("linear", {}, 0.0),
+        ("constant", {}, 0.0),
+        ("constant_with_warmup", {}, 0.0),
+        ("cosine_with_min_lr", {"min_lr_rate": 0.1}, 0.1),
+    ],
+)
+@pytest.mark.parametrize(("total", "warmup"), [(20, 0), (20, 3), (7, 7), (1, 0)])
+def test_schedule_matches_transformers_at_every_step(kind, hf_kwargs, min_lr_ratio, total, warmup):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peak = 3e-4
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    scheduler = transformers.get_scheduler(
+        kind,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=total,
+        scheduler_specific_kwargs=hf_kwargs,
+    )
+    for step in range(total + 2):  # two past the end: the schedule stays where HF's does
+        # HF's Trainer steps the optimizer with the current lr, then the scheduler.
+        assert lr_at(step, total, peak, warmup, kind, min_lr_ratio) == pytest.approx(
+            optimizer.param_groups[0]["lr"], rel=1e-12, abs=1e-18
+        ), step
+        optimizer.step()
+        scheduler.step()
+
+
+def test_axolotl_cosine_min_lr_ratio_is_hf_cosine_with_min_lr():
+    # Axolotl's `lr_scheduler: cosine` + `cosine_min_lr_ratio` ends at ratio × peak, as HF's cosine_with_min_lr.
+    assert lr_at(100, 100, 1.0, 10, "cosine", 0.2) == pytest.approx(0.2)
+    assert lr_at(55, 100, 1.0, 10, "cosine", 0.2) == lr_at(55, 100, 1.0, 10, "cosine_with_min_lr", 0.2)
+    assert lr_at(55, 100, 1.0, 10, "cosine", 0.2) == pytest.approx(0.6)
+
+
+def test_linear():
     assert lr_at(5, 10, 2.0, 0, "linear") == pytest.approx(1.0)
     assert lr_at(10, 10, 2.0, 0, "linear") == pytest.approx(0.0)
-    assert lr_at(7, 10, 2.0, 3, "constant") == 2.0
-    assert lr_at(0, 10, 2.0, 4, "constant") == pytest.approx(0.5)
 
 
 def test_epoch_order_is_a_seeded_permutation():

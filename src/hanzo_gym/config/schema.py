@@ -5,12 +5,20 @@ Unknown keys and bad values fail at load with the key's path, its YAML line and 
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hanzo_gym.config.axolotl_keys import (
+    NOT_YET,
+    OTHER_OPTIMIZERS,
+    OTHER_SCHEDULERS,
+    VALUES_NOT_YET,
+    asks_for_nothing,
+    close_misspelling,
+    known_path,
+)
 from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
 
@@ -97,6 +105,22 @@ class TrlConfig(_Strict):
         return specs
 
 
+class CheckpointingKwargs(_Strict):
+    """Axolotl's `gradient_checkpointing_kwargs`: the one setting hanzo-gym runs is the non-reentrant kind."""
+
+    use_reentrant: bool = False
+
+    @field_validator("use_reentrant")
+    @classmethod
+    def _non_reentrant(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "reentrant checkpointing is not supported (it needs an input that requires grad, which a "
+                "frozen base lacks); write `use_reentrant: false` or drop the key"
+            )
+        return value
+
+
 class Config(_Strict):
     base_model: str
     tokenizer_config: str | None = None
@@ -123,7 +147,21 @@ class Config(_Strict):
     num_epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     learning_rate: float = Field(2e-4, ge=0)
-    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"] = (
+        "cosine"
+    )
+    cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)
+    optimizer: Literal[
+        "adamw_torch",
+        "adamw_torch_fused",
+        "adamw_bnb_8bit",
+        "adamw_8bit",
+        "paged_adamw_8bit",
+        "paged_adamw_32bit",
+    ] = "adamw_torch_fused"
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_epsilon: float = Field(1e-8, ge=0)
     warmup_steps: int | None = Field(None, ge=0)
     warmup_ratio: float | None = Field(None, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
@@ -135,6 +173,7 @@ class Config(_Strict):
     seed: int = Field(42, ge=0, le=MAX_SEED)
     bf16: Literal["auto", True, False] = "auto"
     gradient_checkpointing: bool = False
+    gradient_checkpointing_kwargs: CheckpointingKwargs = CheckpointingKwargs()
 
     rl: Literal["grpo"] | None = None
     trl: TrlConfig = TrlConfig()
@@ -148,8 +187,8 @@ class Config(_Strict):
             return value
         name = value.removeprefix(FALLBACK_PREFIX)
         if value != TOKENIZER_DEFAULT and name not in template_names():
-            close = difflib.get_close_matches(name, template_names(), n=1)
-            hint = f"did you mean `{close[0]}`? " if close else ""
+            close = close_misspelling(name, template_names())
+            hint = f"did you mean `{close}`? " if close else ""
             raise ValueError(
                 f"unknown template; {hint}use {TOKENIZER_DEFAULT}, {FALLBACK_PREFIX}<name>, inline Jinja, "
                 f"or one of {', '.join(template_names())}"
@@ -173,6 +212,16 @@ class Config(_Strict):
                 f"lora_target_modules {untrainable}: LoRA on the embedding or output layer is not supported "
                 "(vLLM refuses such adapters); adapt the attention and MLP projections"
             )
+        if self.lr_scheduler == "cosine_with_min_lr" and self.cosine_min_lr_ratio is None:
+            raise ValueError(
+                "lr_scheduler: cosine_with_min_lr needs `cosine_min_lr_ratio` (the final lr as a fraction of "
+                "learning_rate, e.g. 0.1)"
+            )
+        if self.cosine_min_lr_ratio is not None and self.lr_scheduler not in ("cosine", "cosine_with_min_lr"):
+            raise ValueError(
+                f"cosine_min_lr_ratio applies to the cosine schedule, not lr_scheduler: {self.lr_scheduler}; "
+                "remove it or use `lr_scheduler: cosine`"
+            )
         if isinstance(self.resume_from_checkpoint, str) and not Path(self.resume_from_checkpoint).is_dir():
             raise ValueError(f"resume_from_checkpoint: {self.resume_from_checkpoint} is not a directory")
         if self.rl == "grpo":
@@ -191,25 +240,6 @@ class Config(_Strict):
         if self.warmup_ratio is not None:
             return round(total_steps * self.warmup_ratio)
         return 0
-
-
-# Keys users bring from Axolotl that name features we do not have yet: say so plainly instead of "unknown key".
-_NOT_YET: dict[str, str] = {
-    "load_in_8bit": "8-bit loading is not supported yet; remove `load_in_8bit` and train with `adapter: lora`",
-    "deepspeed": "DeepSpeed is not supported; multi-process training runs under torchrun",
-    "fsdp": "FSDP is not supported yet",
-    "fsdp_config": "FSDP is not supported yet",
-}
-_VALUES_NOT_YET: dict[tuple[str, Any], str] = {
-    ("adapter", "full"): "full fine-tuning is not supported yet; use `adapter: lora`",
-    **{
-        (
-            "rl",
-            name,
-        ): f"rl: {name} (DPO family) is not supported yet; hanzo-gym trains `rl: grpo` or SFT (no `rl` key)"
-        for name in ("dpo", "ipo", "kto", "orpo", "simpo")
-    },
-}
 
 
 def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
@@ -253,58 +283,149 @@ def _line_of(lines: dict, loc: tuple) -> int | None:
     return lines.get(())
 
 
-def _describe(error: dict, source: str, lines: dict) -> str:
+_DATASETS_REQUIRED = "`datasets` is required: list at least one dataset, each with its `path` and `type`"
+
+
+def _describe(error: dict, source: str, lines: dict) -> tuple[int, str]:
+    """(line, message) of one pydantic error."""
     # pydantic appends tags such as 'literal[...]' or 'function-after[...]' to loc: keep only real keys.
     loc = tuple(p for p in error["loc"] if isinstance(p, int) or "[" not in p)
-    line = _line_of(lines, loc) if loc else None
+    line = (_line_of(lines, loc) if loc else None) or 0
     where = f"{source}:{line}" if line else source
     key = _dotted(loc)
     kind = error["type"]
     if kind == "extra_forbidden":
         name = str(loc[-1])
-        if name in _NOT_YET and len(loc) == 1:
-            return f"{where}: `{name}`: {_NOT_YET[name]}"
         model = _model_at(loc[:-1])
         valid = sorted(model.model_fields) if model else []
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        hint = f" did you mean `{close[0]}`?" if close else f" valid keys here: {', '.join(valid)}"
-        return f"{where}: unknown key `{key}`;{hint}"
+        close = close_misspelling(name, valid)
+        hint = f" did you mean `{close}`?" if close else f" valid keys here: {', '.join(valid)}"
+        return line, f"{where}: unknown key `{key}`;{hint}"
+    if loc == ("datasets",) and kind in ("missing", "too_short"):
+        return line, f"{where}: {_DATASETS_REQUIRED}"
+    if loc == ("adapter",) and kind == "missing":
+        return line, (
+            f"{where}: `adapter` is absent or empty: Axolotl then trains the full model, which hanzo-gym does "
+            "not support yet; set `adapter: lora` (or `adapter: qlora` with `load_in_4bit: true`)"
+        )
     if kind == "missing":
-        return f"{where}: `{key}` is required"
+        return line, f"{where}: `{key}` is required"
     value = error.get("input")
     message = error["msg"].removeprefix("Value error, ")
     if kind == "literal_error":
         allowed = error.get("ctx", {}).get("expected", "")
         words = [w.strip(" '") for w in allowed.replace(" or ", ",").split(",") if w.strip(" '")]
-        close = difflib.get_close_matches(str(value), words, n=1, cutoff=0.6)
-        hint = f"; did you mean `{close[0]}`?" if close else ""
-        return f"{where}: `{key}` is {value!r}; allowed: {allowed}{hint}"
+        close = close_misspelling(str(value), words)
+        hint = f"; did you mean `{close}`?" if close else ""
+        return line, f"{where}: `{key}` is {value!r}; allowed: {allowed}{hint}"
     if kind == "finite_number":
-        return f"{where}: `{key}` = {value!r}: use a finite number"
+        return line, f"{where}: `{key}` = {value!r}: use a finite number"
     if not loc:
-        return f"{where}: {message}"
-    return f"{where}: `{key}` = {value!r}: {message}"
+        return line, f"{where}: {message}"
+    return line, f"{where}: `{key}` = {value!r}: {message}"
 
 
-def _reject_not_yet(data: dict, source: str, lines: dict) -> None:
-    for (key, value), sentence in _VALUES_NOT_YET.items():
-        if data.get(key) == value:
-            raise ConfigError(f"{source}:{_line_of(lines, (key,))}: {sentence}")
+def _without_empty_values(value: Any, loc: tuple[str | int, ...] = ()) -> Any:
+    """Axolotl reads `key:` (no value) as unset: drop the null-valued keys we declare, at every depth, so
+    their defaults apply. An unknown key stays, empty or not, and fails as unknown."""
+    if isinstance(value, dict):
+        model = _model_at(loc)
+        declared = model.model_fields if model else {}
+        return {
+            k: _without_empty_values(v, (*loc, k))
+            for k, v in value.items()
+            if not (v is None and k in declared)
+        }
+    if isinstance(value, list):
+        return [_without_empty_values(item, (*loc, i)) for i, item in enumerate(value)]
+    return value
+
+
+def _refuse_known_axolotl_keys(
+    data: Any, loc: tuple[str | int, ...], source: str, lines: dict, refusals: list[tuple[int, str]]
+) -> Any:
+    """`data` without the Axolotl keys we do not implement yet; a refusal sentence for each one that asks for
+    something (a key that asks for Axolotl's default, like `deepspeed:` or `fsdp: []`, just drops out)."""
+    if isinstance(data, list):
+        return [
+            _refuse_known_axolotl_keys(item, (*loc, i), source, lines, refusals)
+            for i, item in enumerate(data)
+        ]
+    if not isinstance(data, dict):
+        return data
+    kept = {}
+    for key, value in data.items():
+        here = (*loc, key)
+        known = NOT_YET.get(known_path(here))
+        if known is None:
+            kept[key] = _refuse_known_axolotl_keys(value, here, source, lines, refusals)
+        elif not asks_for_nothing(value):
+            what, instead = known
+            line = _line_of(lines, here) or 0
+            refusals.append(
+                (
+                    line,
+                    f"{source}:{line}: Axolotl's `{_dotted(here)}` ({what}) is not supported yet; {instead}",
+                )
+            )
+    return kept
+
+
+def _refuse_values(data: dict, source: str, lines: dict, refusals: list[tuple[int, str]]) -> set[str]:
+    """Refusals for values we do not implement yet (`adapter: full`, `rl: dpo`, `optimizer: sgd`); the keys
+    they name, whose validation errors would only repeat the refusal."""
+    refused = set()
+    for key, value in data.items():
+        sentence = _value_refusal(key, value)
+        if sentence is not None:
+            line = _line_of(lines, (key,)) or 0
+            refusals.append((line, f"{source}:{line}: {sentence}"))
+            refused.add(key)
+    return refused
+
+
+def _value_refusal(key: str, value: Any) -> str | None:
+    try:
+        sentence = VALUES_NOT_YET.get((key, value))
+    except TypeError:  # an unhashable value (a list or mapping): validation says what is wrong with it
+        return None
+    if sentence is not None:
+        return sentence
+    if key == "optimizer" and value in OTHER_OPTIMIZERS:
+        return (
+            f"Axolotl's `optimizer: {value}` (an update rule other than AdamW) is not supported yet; use "
+            "adamw_torch_fused, adamw_torch, adamw_bnb_8bit / adamw_8bit, paged_adamw_8bit or paged_adamw_32bit"
+        )
+    if key == "lr_scheduler" and value in OTHER_SCHEDULERS:
+        return (
+            f"Axolotl's `lr_scheduler: {value}` is not supported yet; use cosine, cosine_with_min_lr (with "
+            "cosine_min_lr_ratio), linear, constant or constant_with_warmup"
+        )
+    return None
 
 
 def parse_config(data: Any, source: str = "<config>", lines: dict | None = None) -> Config:
-    """Validate already-parsed YAML data; errors name `source` and, when known, the line."""
+    """Validate already-parsed YAML data; errors name `source` and, when known, the line. Every problem of
+    the file is reported at once, in line order, in one ConfigError."""
     lines = lines or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of config keys at the top level")
-    # `load_in_4bit: false` and friends say what Axolotl does by default: nothing to reject.
-    data = {key: value for key, value in data.items() if not (key in _NOT_YET and value in (False, None))}
-    _reject_not_yet(data, source, lines)
+    refusals: list[tuple[int, str]] = []
+    data = _refuse_known_axolotl_keys(_without_empty_values(data), (), source, lines, refusals)
+    refused_keys = _refuse_values(data, source, lines, refusals)
+    data = {key: value for key, value in data.items() if key not in refused_keys}
+    problems = list(refusals)
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        errors = sorted(exc.errors(), key=lambda e: _line_of(lines, e["loc"]) or 0)
-        raise ConfigError("\n".join(_describe(error, source, lines) for error in errors)) from None
+        for error in exc.errors():
+            if error["loc"] and error["loc"][0] in refused_keys:
+                continue  # `adapter: full` was refused above; "adapter is required" would only repeat it
+            problems.append(_describe(error, source, lines))
+        config = None
+    if problems:
+        raise ConfigError("\n".join(message for _, message in sorted(problems, key=lambda p: p[0])))
+    return config
 
 
 def load_config(path: str | Path) -> Config:

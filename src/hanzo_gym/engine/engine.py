@@ -20,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.engine.distributed import sync_gradients
 from hanzo_gym.engine.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
+from hanzo_gym.engine.optimizers import OptimizerFactory, plain_adamw, state_as_tensors, state_for_optimizer
 from hanzo_gym.engine.prefix_sharing import shared_layout
 from hanzo_gym.engine.sampling import sample_groups
 from hanzo_gym.engine.token_logprobs import token_logprobs
@@ -43,8 +44,10 @@ class Engine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         max_tokens_per_pass: int | None = None,
         logprob_chunk: int = 1024,
+        optimizer_factory: OptimizerFactory = plain_adamw,
     ):
         self.model = model
+        self._optimizer_factory = optimizer_factory
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_tokens_per_pass = max_tokens_per_pass or default_tokens_per_pass(self.device)
@@ -53,7 +56,7 @@ class Engine:
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         # The adapter this engine trains (a host's model carries several; the active one is this engine's).
         self.adapter_name: str | None = getattr(model, "active_adapter", None) if self.trainable else None
-        self.optimizer: torch.optim.AdamW | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self.reset_optimizer()
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = causal_lm.config
@@ -143,7 +146,7 @@ class Engine:
         change it, and loading it elsewhere shares no moment tensors with this engine)."""
         return {
             "adapter": adapter_weights(self.model, self._require_adapter()),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": state_as_tensors(copy.deepcopy(self.optimizer.state_dict())),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -154,16 +157,17 @@ class Engine:
             self.reset_optimizer()
             return
         self.optimizer.zero_grad(set_to_none=True)
+        saved = state_for_optimizer(state["optimizer"], self.optimizer)
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(saved)
         except (ValueError, KeyError) as exc:
             raise GymError(f"the saved optimizer state does not fit this adapter ({exc})") from None
 
     def reset_optimizer(self) -> None:
-        """A fresh AdamW (no moments, step 0) over the adapter; gradients are dropped."""
+        """A fresh optimizer (no moments, step 0) over the adapter; gradients are dropped."""
         for param in self.trainable:
             param.grad = None
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0) if self.trainable else None
+        self.optimizer = self._optimizer_factory(self.trainable) if self.trainable else None
 
     def _require_adapter(self) -> str:
         if self.adapter_name is None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +36,13 @@ from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import adam_params
 from hanzo_gym.loops.tail import LoopTail, StepPlace, check_finite
 from hanzo_gym.records import Datum, SampledSequence, SamplingParams, TensorData
-from hanzo_gym.rewards import Completion, RewardFunction, parse_reward, score_completions
+from hanzo_gym.rewards import (
+    Completion,
+    RewardFunction,
+    RewardFunctionFailed,
+    parse_reward,
+    score_completions,
+)
 
 RANK_SEED_STRIDE = 1_000_000_007  # rank r samples with seed + r·stride: no two processes share a stream
 
@@ -87,27 +92,13 @@ def _completions(
     ]
 
 
-class RewardFunctionFailed(GymError):
-    """A reward function raised: said in one line with where, since the run cannot go on without scores."""
-
-    def __init__(self, when: str, error: Exception):
-        frames = traceback.extract_tb(error.__traceback__)
-        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        notes = "".join(f" ({note})" for note in getattr(error, "__notes__", []))
-        super().__init__(
-            f"{when}: {type(error).__name__}: {error}{notes}{where}; fix the reward function and run again"
-        )
-
-
 def _scored(
     reward_fns: list[RewardFunction], weights: list[float] | None, completions: list[Completion], when: str
 ) -> tuple[list[float], dict[str, list[float]]]:
     try:
         return score_completions(reward_fns, weights, completions)
-    except GymError:
-        raise
-    except Exception as error:
-        raise RewardFunctionFailed(when, error) from error
+    except RewardFunctionFailed as exc:
+        raise GymError(f"{when}: {exc}") from None
 
 
 def evaluate_rewards(

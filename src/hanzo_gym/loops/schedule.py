@@ -1,4 +1,9 @@
-"""Learning-rate schedules: linear warmup, then cosine, linear or constant to the end of training."""
+"""Learning-rate schedules, with Hugging Face's formulas (the ones Axolotl trains with).
+
+`lr_at(step, …)` is the rate optimizer step `step` (0-based) uses, which is what HF's `LambdaLR` gives that
+step: warmup rises linearly from 0 (step 0 trains at lr 0, the last warmup step just below the peak), then
+the decay runs over the remaining steps. `constant` has no warmup in HF; `constant_with_warmup` has.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +13,46 @@ from hanzo_gym.config import Config
 from hanzo_gym.records import AdamParams
 
 
-def lr_at(step: int, total_steps: int, peak: float, warmup_steps: int, kind: str) -> float:
-    """The learning rate for 0-based optimizer step `step` of `total_steps`."""
-    if step < warmup_steps:
-        return peak * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if kind == "cosine":
-        return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if kind == "linear":
-        return peak * (1.0 - progress)
+def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float = 0.0) -> float:
+    """The multiplier of the peak learning rate at 0-based optimizer step `step` of `total_steps`."""
     if kind == "constant":
-        return peak
+        return 1.0
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    if kind == "constant_with_warmup":
+        return 1.0
+    if kind == "linear":
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if kind in ("cosine", "cosine_with_min_lr"):
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return max(0.0, cosine * (1.0 - min_lr_ratio) + min_lr_ratio)
     raise ValueError(f"unknown lr_scheduler {kind!r}")
 
 
+def lr_at(
+    step: int, total_steps: int, peak: float, warmup_steps: int, kind: str, min_lr_ratio: float = 0.0
+) -> float:
+    """The learning rate for 0-based optimizer step `step` of `total_steps`."""
+    return peak * lr_factor(step, total_steps, warmup_steps, kind, min_lr_ratio)
+
+
 def adam_params(cfg: Config, step: int, total_steps: int) -> AdamParams:
-    """The optimizer settings of optimizer step `step`: the scheduled learning rate, the config's weight decay
-    and clip norm, and AdamW's usual moments (β 0.9 / 0.999, ε 1e-8) rather than Tinker's RL defaults."""
+    """The optimizer settings of optimizer step `step`: the scheduled learning rate, the config's weight decay,
+    clip norm and AdamW moments (`adam_beta1` / `adam_beta2` / `adam_epsilon`, HF's 0.9 / 0.999 / 1e-8 unless
+    set) rather than Tinker's RL defaults."""
     return AdamParams(
-        learning_rate=lr_at(step, total_steps, cfg.learning_rate, cfg.warmup(total_steps), cfg.lr_scheduler),
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
+        learning_rate=lr_at(
+            step,
+            total_steps,
+            cfg.learning_rate,
+            cfg.warmup(total_steps),
+            cfg.lr_scheduler,
+            cfg.cosine_min_lr_ratio or 0.0,
+        ),
+        beta1=cfg.adam_beta1,
+        beta2=cfg.adam_beta2,
+        eps=cfg.adam_epsilon,
         weight_decay=cfg.weight_decay,
         grad_clip_norm=cfg.max_grad_norm,
     )

@@ -19,6 +19,7 @@ from hanzo_gym.engine.distributed import (
     is_main,
     world_size,
 )
+from hanzo_gym.engine.optimizers import build_optimizer_factory
 from hanzo_gym.engine.state_files import save_engine_state
 from hanzo_gym.errors import GymError
 from hanzo_gym.files import publish_directory
@@ -47,7 +48,10 @@ def build_engine(
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = "all-linear" if cfg.lora_target_linear else cfg.lora_target_modules
     peft_model = attach_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, cfg.base_model)
-    return Engine(peft_model, tokenizer)
+    optimizer_factory, fallback_note = build_optimizer_factory(cfg.optimizer, device)
+    if fallback_note and is_main():
+        print(fallback_note, flush=True)
+    return Engine(peft_model, tokenizer, optimizer_factory=optimizer_factory)
 
 
 def resume_point(cfg: Config, run: RunDir) -> Path | None:

@@ -11,6 +11,7 @@ raw per-function scores returned by name for the `rewards/<name>/mean` metrics.
 
 from __future__ import annotations
 
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from hanzo_gym.errors import ConfigError, GymError
@@ -20,7 +21,29 @@ from hanzo_gym.rewards.remote import HttpReward
 from hanzo_gym.rewards.text import ExactMatch, FormatMatch, LengthPenalty, NumericMatch
 from hanzo_gym.rewards.user_code import PythonReward
 
-__all__ = ["Completion", "RewardFunction", "parse_reward", "score_completions"]
+__all__ = ["Completion", "RewardFunction", "RewardFunctionFailed", "parse_reward", "score_completions"]
+
+
+class RewardFunctionFailed(GymError):
+    """A reward function raised: one line saying which and where (a run cannot go on without its scores)."""
+
+    def __init__(self, func: RewardFunction, error: Exception):
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        super().__init__(
+            f"reward function {func.name} raised {type(error).__name__}: {error}{where}; fix the reward "
+            "function and run again"
+        )
+
+
+def _scores_of(func: RewardFunction, completions: list[Completion]) -> list[float]:
+    try:
+        return func(completions)
+    except GymError:
+        raise
+    except Exception as error:
+        raise RewardFunctionFailed(func, error) from error
+
 
 _PLAIN = {"exact_match": ExactMatch, "numeric_match": NumericMatch, "math_equal": MathEqual}
 
@@ -67,9 +90,11 @@ def score_completions(
         raise GymError(f"{len(weights)} reward weights for {len(funcs)} reward functions; give one each")
     with ThreadPoolExecutor(max_workers=max(1, sum(f.does_io for f in funcs))) as pool:
         pending: list[Future[list[float]] | None] = [
-            pool.submit(f, completions) if f.does_io else None for f in funcs
+            pool.submit(_scores_of, f, completions) if f.does_io else None for f in funcs
         ]
-        scores = [f(completions) if p is None else None for f, p in zip(funcs, pending, strict=True)]
+        scores = [
+            _scores_of(f, completions) if p is None else None for f, p in zip(funcs, pending, strict=True)
+        ]
         scores = [s if p is None else p.result() for s, p in zip(scores, pending, strict=True)]
     by_name: dict[str, list[float]] = {}
     for name, func, func_scores in zip(_unique_names(funcs), funcs, scores, strict=True):

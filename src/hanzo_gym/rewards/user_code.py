@@ -60,9 +60,4 @@ class PythonReward(RewardFunction):
         self._function: Callable[[list[Completion]], list[float]] = function
 
     def __call__(self, completions: list[Completion]) -> list[float]:
-        try:
-            scores = self._function(completions)
-        except Exception as e:
-            e.add_note(f"raised by the reward function {self.name}")  # keep the user's traceback visible
-            raise
-        return checked_scores(self.name, scores, len(completions))
+        return checked_scores(self.name, self._function(completions), len(completions))

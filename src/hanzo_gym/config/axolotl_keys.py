@@ -1,0 +1,175 @@
+"""Axolotl keys hanzo-gym knows but does not implement yet, each with what it does in Axolotl, and the
+"did you mean" rule for keys nobody knows.
+
+A known key gets a sentence naming its feature ("Axolotl's `deepspeed` (DeepSpeed ZeRO sharding) is not
+supported yet"), never a guess at another key: `lora_model_dir` is not a misspelling of `lora_r`. The
+meanings come from Axolotl's schema and the keys its own examples use (reference/axolotl-keys-in-the-wild.md).
+A key written empty, `false`, `[]` or `{}` asks for nothing Axolotl does by default, so it loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_TRACKERS = "metrics go to metrics.jsonl in the run directory; remove the key or leave it empty"
+
+# key path ("key", "datasets[].key", "trl.key") → (what it does in Axolotl, what to do instead)
+NOT_YET: dict[str, tuple[str, str]] = {
+    "deepspeed": ("DeepSpeed ZeRO sharding", "multi-GPU data-parallel training runs under torchrun"),
+    "fsdp": ("FSDP sharding of the model over GPUs", "multi-GPU data-parallel training runs under torchrun"),
+    "fsdp_config": ("FSDP sharding settings", "multi-GPU data-parallel training runs under torchrun"),
+    "fsdp_version": ("the FSDP version", "multi-GPU data-parallel training runs under torchrun"),
+    **{
+        f"wandb_{part}": (f"Weights & Biases logging: the run's {part.replace('_', ' ')}", _TRACKERS)
+        for part in ("project", "entity", "name", "run_id", "mode", "watch", "log_model")
+    },
+    "use_tensorboard": ("TensorBoard logging", _TRACKERS),
+    "use_mlflow": ("MLflow logging", _TRACKERS),
+    "mlflow_tracking_uri": ("the MLflow tracking server", _TRACKERS),
+    "mlflow_experiment_name": ("the MLflow experiment", _TRACKERS),
+    "tf32": ("the CUDA TF32 matmul switch", "remove it; matmuls run at torch's default precision"),
+    "attn_implementation": ("the transformers attention kernel", "remove it; models load with sdpa"),
+    "flash_attention": ("FlashAttention kernels", "remove it; models load with sdpa"),
+    "sdp_attention": ("the torch SDPA attention switch", "remove it; models load with sdpa already"),
+    "xformers_attention": ("xFormers attention kernels", "remove it; models load with sdpa"),
+    "evals_per_epoch": ("evaluation cadence as a count per epoch", "use `eval_steps`"),
+    "saves_per_epoch": ("checkpoint cadence as a count per epoch", "use `save_steps`"),
+    "save_total_limit": ("how many checkpoints to keep", "remove it; every checkpoint is kept"),
+    "special_tokens": ("setting the pad/bos/eos/unk tokens", "remove it; the tokenizer's own tokens apply"),
+    "tokens": ("adding tokens to the vocabulary", "remove it"),
+    "eot_tokens": ("end-of-turn tokens for label masking", "remove it; the renderer knows each turn's end"),
+    "dataset_prepared_path": ("a folder caching the tokenized datasets", "remove it or leave it empty"),
+    "lora_model_dir": ("starting from an existing LoRA adapter", "remove it or leave it empty"),
+    "lora_modules_to_save": ("training whole modules (e.g. embeddings) beside LoRA", "remove it"),
+    "peft_use_rslora": ("rank-stabilised LoRA scaling (alpha / sqrt(r))", "remove it; scaling is alpha / r"),
+    "peft_use_dora": ("DoRA (weight-decomposed LoRA)", "remove it; vLLM does not serve DoRA adapters"),
+    "model_type": ("the model loader class", "remove it; models load with AutoModelForCausalLM"),
+    "tokenizer_type": ("the tokenizer loader class", "remove it; tokenizers load with AutoTokenizer"),
+    "trust_remote_code": ("running Python code from the model repository", "use a model transformers has"),
+    "load_in_8bit": (
+        "a bitsandbytes 8-bit base model",
+        "use `adapter: qlora` with `load_in_4bit: true`, or `adapter: lora`",
+    ),
+    "eval_sample_packing": ("packing the eval set", "remove it"),
+    "pad_to_sequence_len": ("padding every batch to sequence_len", "remove it"),
+    "group_by_length": ("batching examples of similar length together", "remove it"),
+    "loss_watchdog_threshold": ("stopping when the loss blows up", "remove it"),
+    "loss_watchdog_patience": ("stopping when the loss blows up", "remove it"),
+    "early_stopping_patience": ("stopping when the eval loss stops improving", "remove it"),
+    "excess_length_strategy": ("what happens to over-long examples", "remove it; see `gym preprocess`"),
+    "plugins": ("Axolotl plugins (e.g. Cut Cross Entropy)", "remove it"),
+    "strict": ("Axolotl's own strictness flag", "remove it; hanzo-gym always refuses unknown keys"),
+    "pretraining_dataset": ("streaming pretraining data", "use a `completion` dataset"),
+    "test_datasets": ("separate evaluation datasets", "use `val_set_size`"),
+    "skip_prepare_dataset": ("skipping dataset preparation", "remove it"),
+    "vllm": ("a vLLM server for GRPO rollouts", "remove it; rollouts are sampled by the training engine"),
+    "fp16": ("float16 mixed precision", "use `bf16` (or `bf16: false` for fp32)"),
+    "torch_compile": ("torch.compile of the model", "remove it"),
+    "hub_model_id": ("pushing the result to the Hugging Face Hub", "upload the run directory's adapter"),
+    "unfrozen_parameters": ("training chosen base-model parameters", "remove it"),
+    "auto_resume_from_checkpoints": (
+        "resuming from the latest checkpoint",
+        "use `resume_from_checkpoint: true`",
+    ),
+    "chat_template_jinja": ("a Jinja chat template in its own key", "give the Jinja text in `chat_template`"),
+    "lr_scheduler_kwargs": ("extra arguments to the lr scheduler", "remove it"),
+    "cosine_constant_lr_ratio": ("holding the lr constant at the end of cosine", "remove it"),
+    "lr_quadratic_warmup": ("quadratic warmup", "remove it; warmup is linear"),
+    "optim_args": ("extra arguments to the optimizer", "remove it"),
+    "optim_target_modules": ("the modules an optimizer such as GaLore targets", "remove it"),
+    "datasets[].name": ("the Hugging Face dataset config name", "point `path` at the files of that config"),
+    "datasets[].ds_type": (
+        "the file format of the dataset files",
+        "remove it; the format is read from `path`",
+    ),
+    "datasets[].conversation": ("a FastChat conversation template", "use `type: chat_template`"),
+    "datasets[].chat_template": ("a chat template for one dataset", "set the top-level `chat_template`"),
+    "datasets[].shards": ("training on a shard of the dataset", "use `split` (e.g. train[:10%])"),
+    **{
+        f"trl.{key}": ("rollouts on a vLLM server", "remove it; rollouts are sampled by the training engine")
+        for key in (
+            "use_vllm",
+            "vllm_mode",
+            "vllm_server_host",
+            "vllm_server_port",
+            "vllm_server_timeout",
+            "vllm_lora_sync",
+            "vllm_gpu_memory_utilization",
+        )
+    },
+    "trl.use_data_producer": ("asynchronous rollout production", "remove it"),
+}
+
+# (key, value) → the sentence: a key we have, with an Axolotl value we do not implement yet.
+VALUES_NOT_YET: dict[tuple[str, Any], str] = {
+    ("adapter", "full"): "full fine-tuning is not supported yet; use `adapter: lora`",
+    **{
+        ("rl", name): f"rl: {name} (DPO family) is not supported yet; hanzo-gym trains `rl: grpo` or SFT "
+        "(no `rl` key)"
+        for name in ("dpo", "ipo", "kto", "orpo", "simpo")
+    },
+}
+
+# HF `optim` and scheduler names Axolotl users may write that have another update rule or shape than ours.
+OTHER_OPTIMIZERS = (
+    "adafactor",
+    "sgd",
+    "adagrad",
+    "rmsprop",
+    "lion_8bit",
+    "lion_32bit",
+    "paged_lion_8bit",
+    "paged_lion_32bit",
+    "adamw_torch_4bit",
+    "adamw_torch_8bit",
+    "schedule_free_adamw",
+    "ademamix",
+    "muon",
+    "came_pytorch",
+    "adopt_adamw",
+    "optimi_adamw",
+)
+OTHER_SCHEDULERS = (
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+    "reduce_lr_on_plateau",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+    "one_cycle",
+    "rex",
+)
+
+
+def asks_for_nothing(value: Any) -> bool:
+    """`key:`, `false`, `[]` and `{}`: what Axolotl does when the key is absent."""
+    return value is None or value is False or (isinstance(value, list | dict) and not value)
+
+
+def known_path(loc: tuple[str | int, ...]) -> str:
+    """`("datasets", 0, "name")` → `datasets[].name`: the form of NOT_YET's keys."""
+    text = ""
+    for part in loc:
+        text += "[]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def edit_distance(a: str, b: str) -> int:
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, 1):
+        current = [i]
+        for j, char_b in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]
+
+
+def close_misspelling(name: str, candidates: list[str]) -> str | None:
+    """The candidate `name` is a typo of: at most one edit away for short names, two for names of eight
+    characters or more. Farther names are other words (`fp16` is not `bf16` misspelt, but one edit is
+    all it takes, which is why known Axolotl keys are looked up before this)."""
+    limit = 1 if len(name) < 8 else 2
+    scored = sorted((edit_distance(name, c), c) for c in candidates if c != name)
+    if scored and scored[0][0] <= limit:
+        return scored[0][1]
+    return None
