@@ -6,6 +6,7 @@ import pytest
 import torch
 import yaml
 from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM
 
 from hanzo_gym.cli import main
@@ -319,3 +320,46 @@ def test_gradient_checkpointing_is_really_on(tmp_path, tiny_base, chat_data):
     path, _ = _config(tmp_path, tiny_base, chat_data, gradient_checkpointing=True)
     engine = build_engine(load_config(path), torch.device("cpu"), torch.float32)
     assert engine.model.get_base_model().is_gradient_checkpointing
+
+
+def test_rslora_scales_by_the_root_of_the_rank_and_serves_as_trained(tmp_path, tiny_base, chat_data, capsys):
+    """`peft_use_rslora`: the LoRA path is scaled alpha / sqrt(r); adapter_config.json says so, so PEFT (and
+    what reads PEFT's files) scores the adapter as our engine trained it; resuming without it is refused."""
+    path, _ = _config(
+        tmp_path,
+        tiny_base,
+        chat_data,
+        max_steps=3,
+        save_steps=3,
+        lora_r=16,
+        lora_alpha=8,
+        peft_use_rslora=True,
+    )
+    assert main(["train", str(path)]) == 0
+    run = tmp_path / "run"
+    assert json.loads((run / "adapter_config.json").read_text())["use_rslora"] is True
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base), str(run)).eval()
+    scalings = {m.scaling["default"] for m in adapted.modules() if isinstance(m, LoraLayer)}
+    assert scalings == {8 / 16**0.5}  # 2.0 (exactly: sqrt(16) is 4), where plain LoRA would scale by 0.5
+
+    tokens = torch.tensor([[9707, 11, 1879, 0, 42, 77, 5]])
+    with torch.no_grad():
+        theirs = adapted(tokens).logits[0, :-1].log_softmax(-1).gather(1, tokens[0, 1:, None]).squeeze(1)
+    trainable = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_base), str(run), is_trainable=True
+    )
+    ids = tokens[0].tolist()
+    ours = Engine(trainable).forward([Datum(ModelInput.from_ints(ids[:-1]), {"target_tokens": ids[1:]})])[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+    plain, _ = _config(
+        tmp_path,
+        tiny_base,
+        chat_data,
+        lora_r=16,
+        lora_alpha=8,
+        output_dir=str(tmp_path / "plain"),
+        resume_from_checkpoint=str(run / "checkpoint-3"),
+    )
+    assert main(["train", str(plain)]) == 2
+    assert "peft_use_rslora: True → False" in capsys.readouterr().err

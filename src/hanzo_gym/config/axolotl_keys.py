@@ -41,7 +41,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "dataset_prepared_path": ("a folder caching the tokenized datasets", "remove it or leave it empty"),
     "lora_model_dir": ("starting from an existing LoRA adapter", "remove it or leave it empty"),
     "lora_modules_to_save": ("training whole modules (e.g. embeddings) beside LoRA", "remove it"),
-    "peft_use_rslora": ("rank-stabilised LoRA scaling (alpha / sqrt(r))", "remove it; scaling is alpha / r"),
     "peft_use_dora": ("DoRA (weight-decomposed LoRA)", "remove it; vLLM does not serve DoRA adapters"),
     "model_type": ("the model loader class", "remove it; models load with AutoModelForCausalLM"),
     "tokenizer_type": ("the tokenizer loader class", "remove it; tokenizers load with AutoTokenizer"),

@@ -139,6 +139,7 @@ class Config(_Strict):
     lora_r: int = Field(8, gt=0)
     lora_alpha: float = Field(16.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
+    peft_use_rslora: bool = False  # rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r
     lora_target_modules: list[str] = []
     lora_target_linear: bool = False
 

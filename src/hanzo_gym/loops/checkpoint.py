@@ -39,6 +39,11 @@ class TrainerPosition:
     )  # the partly filled logging window, so rows match a straight run
 
 
+# Fingerprint keys written only when true, so that checkpoints from before they existed still resume; a
+# checkpoint that has one must still be refused by a run without it.
+_FLAGS_WHEN_SET = frozenset({"load_in_4bit", "peft_use_rslora"})
+
+
 def adapter_fingerprint(cfg: Config) -> dict:
     """What the saved adapter and optimizer state depend on: resuming with other values cannot work."""
     return {
@@ -46,8 +51,9 @@ def adapter_fingerprint(cfg: Config) -> dict:
         "lora_r": cfg.lora_r,
         "lora_alpha": cfg.lora_alpha,
         "lora_targets": "all-linear" if cfg.lora_target_linear else sorted(cfg.lora_target_modules),
-        # Only when set, so that checkpoints written before QLoRA existed still resume.
+        # Only when set, so that checkpoints written before these keys existed still resume.
         **({"load_in_4bit": True} if cfg.load_in_4bit else {}),
+        **({"peft_use_rslora": True} if cfg.peft_use_rslora else {}),
     }
 
 
@@ -66,7 +72,13 @@ def read_checkpoint(directory: Path, engine: Engine, plan: dict) -> TrainerPosit
             f"{directory} is not a complete checkpoint (no {TRAINER_STATE}); pick another or start fresh"
         )
     position = _read_position(state_file)
-    changed = {k: (position.plan.get(k), v) for k, v in plan.items() if position.plan.get(k) != v}
+    compared = [*plan, *sorted((_FLAGS_WHEN_SET & position.plan.keys()) - plan.keys())]
+
+    def value(fingerprint: dict, key: str) -> object:
+        return fingerprint.get(key, False if key in _FLAGS_WHEN_SET else None)
+
+    changed = {k: (value(position.plan, k), value(plan, k)) for k in compared}
+    changed = {k: (old, new) for k, (old, new) in changed.items() if old != new}
     if changed:
         details = ", ".join(f"{k}: {old} → {new}" for k, (old, new) in changed.items())
         raise GymError(

@@ -47,7 +47,9 @@ def build_engine(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = "all-linear" if cfg.lora_target_linear else cfg.lora_target_modules
-    peft_model = attach_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, cfg.base_model)
+    peft_model = attach_lora(
+        model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, cfg.base_model, cfg.peft_use_rslora
+    )
     optimizer_factory, fallback_note = build_optimizer_factory(cfg.optimizer, device)
     if fallback_note and is_main():
         print(fallback_note, flush=True)

@@ -21,10 +21,12 @@ def attach_lora(
     dropout: float,
     target_modules: list[str] | str,
     base_model_name: str,
+    rslora: bool = False,
 ) -> PeftModel:
     """Wrap `model` with a fresh adapter; `target_modules="all-linear"` adapts every linear layer but the output.
 
-    The adapter stays free of bias, DoRA and modules_to_save so that vLLM loads it as it is.
+    The adapter stays free of bias, DoRA and modules_to_save so that vLLM loads it as it is. `rslora`: scale
+    the LoRA path by alpha / sqrt(r) (rank-stabilised LoRA), recorded in adapter_config.json as PEFT does.
     """
     if target_modules == "all-linear":
         target_modules = linear_module_names(model)
@@ -34,6 +36,7 @@ def attach_lora(
         lora_alpha=alpha,
         lora_dropout=dropout,
         target_modules=target_modules,
+        use_rslora=rslora,
         bias="none",
         task_type="CAUSAL_LM",
     )
