@@ -197,6 +197,15 @@ def test_lora_on_embedding_or_output_layer_is_refused(tmp_path):
     assert "lm_head" in message and "not supported" in message
 
 
+def test_a_cadence_given_two_ways_is_refused(tmp_path):
+    message = _error(tmp_path, BASE + "eval_steps: 5\nevals_per_epoch: 2\n")
+    assert "`eval_steps` and `evals_per_epoch` say the same thing two ways" in message
+    message = _error(tmp_path, BASE + "save_steps: 5\nsaves_per_epoch: 2\n")
+    assert "`save_steps` and `saves_per_epoch`" in message
+    loaded = _load(tmp_path, BASE + "evals_per_epoch: 4\nsaves_per_epoch: 1\nsave_total_limit: 3\n")
+    assert (loaded.evals_per_epoch, loaded.saves_per_epoch, loaded.save_total_limit) == (4, 1, 3)
+
+
 def test_chat_template_names_are_checked_at_load(tmp_path):
     message = _error(tmp_path, BASE + "chat_template: qwen33\n")
     assert "run.yaml:8" in message and "did you mean `qwen3`?" in message

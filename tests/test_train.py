@@ -1,6 +1,7 @@
 """End-to-end `gym train` / `gym merge` on a tiny random Qwen3 model that uses the real Qwen3 tokenizer."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from hanzo_gym.cli import main
 from hanzo_gym.engine import Engine
 from hanzo_gym.loops import checkpoint as checkpoint_module
+from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.records import Datum, ModelInput
 
 
@@ -363,3 +365,34 @@ def test_rslora_scales_by_the_root_of_the_rank_and_serves_as_trained(tmp_path, t
     )
     assert main(["train", str(plain)]) == 2
     assert "peft_use_rslora: True → False" in capsys.readouterr().err
+
+
+def test_per_epoch_cadences_and_the_checkpoint_limit_follow_axolotl_and_hf(
+    tmp_path, tiny_base, chat_data, capsys
+):
+    """evals_per_epoch / saves_per_epoch become HF's ceil(total / (count × epochs)) steps; save_total_limit
+    keeps the newest checkpoints (folders and records) and the newest is the one a resume takes."""
+    path, _ = _config(
+        tmp_path,
+        tiny_base,
+        chat_data,
+        evals_per_epoch=2,
+        saves_per_epoch=2,
+        save_steps=None,
+        save_total_limit=2,
+    )
+    assert main(["train", str(path)]) == 0
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    total = max(row["step"] for row in rows)
+    every = math.ceil(total / (2 * 2))
+    assert every < total // 2  # a cadence inside each epoch, not just its end
+    evals = {row["step"] for row in rows if "eval/loss" in row}
+    assert evals == {0, *range(every, total + 1, every), total // 2, total}
+    saved = list(range(every, total + 1, every))
+    assert capsys.readouterr().out.count("saved ") == len(saved)
+    newest = [f"checkpoint-{step}" for step in saved[-2:]]
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == sorted(newest)
+    records = [json.loads(line)["name"] for line in (run / "checkpoints.jsonl").read_text().splitlines()]
+    assert records == newest
+    assert RunDir(run).latest_checkpoint() == run / newest[-1]

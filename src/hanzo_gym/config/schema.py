@@ -169,7 +169,10 @@ class Config(_Strict):
     max_grad_norm: float = Field(1.0, ge=0)
     logging_steps: int = Field(10, ge=1)
     eval_steps: int | None = Field(None, ge=1)
+    evals_per_epoch: int | None = Field(None, ge=1)  # Axolotl's other way to say eval_steps
     save_steps: int | None = Field(None, ge=1)
+    saves_per_epoch: int | None = Field(None, ge=1)  # Axolotl's other way to say save_steps
+    save_total_limit: int | None = Field(None, ge=1)  # keep only the newest N checkpoints (None: all)
     resume_from_checkpoint: str | bool | None = None
     seed: int = Field(42, ge=0, le=MAX_SEED)
     bf16: Literal["auto", True, False] = "auto"
@@ -223,6 +226,9 @@ class Config(_Strict):
                 f"cosine_min_lr_ratio applies to the cosine schedule, not lr_scheduler: {self.lr_scheduler}; "
                 "remove it or use `lr_scheduler: cosine`"
             )
+        for steps, per_epoch in (("eval_steps", "evals_per_epoch"), ("save_steps", "saves_per_epoch")):
+            if getattr(self, steps) is not None and getattr(self, per_epoch) is not None:
+                raise ValueError(f"`{steps}` and `{per_epoch}` say the same thing two ways; give one of them")
         if isinstance(self.resume_from_checkpoint, str) and not Path(self.resume_from_checkpoint).is_dir():
             raise ValueError(f"resume_from_checkpoint: {self.resume_from_checkpoint} is not a directory")
         if self.rl == "grpo":

@@ -151,7 +151,11 @@ class RunDir:
                 kept = [row for row in _read_jsonl(path) if row.get("step", 0) <= step]
                 atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
 
-    def save_checkpoint(self, step: int, epoch: float, build: Callable[[Path], None]) -> Path:
+    def save_checkpoint(
+        self, step: int, epoch: float, build: Callable[[Path], None], keep: int | None = None
+    ) -> Path:
+        """Write checkpoint-<step>; with `keep`, then remove all but the newest `keep` checkpoints of this run
+        (only once the new one is complete, so there is always one to resume from)."""
         final = self.path / f"{CHECKPOINT_PREFIX}{step}"
         if not self.writer:
             return final
@@ -160,7 +164,23 @@ class RunDir:
         with open(self.checkpoints_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
         self.finish()
+        if keep is not None:
+            self._keep_newest_checkpoints(keep)
         return final
+
+    def _keep_newest_checkpoints(self, keep: int) -> None:
+        folders = sorted(
+            _checkpoint_folders(self._home), key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX))
+        )
+        removed = {path.name for path in folders[:-keep]}
+        if not removed:
+            return
+        # The record first: a crash between the two leaves a folder the record no longer names, never a
+        # record naming a folder that is gone.
+        kept = [row for row in _read_jsonl(self.checkpoints_path) if row.get("name") not in removed]
+        atomic_write_text(self.checkpoints_path, "".join(json.dumps(row) + "\n" for row in kept))
+        for name in sorted(removed):
+            remove_entry(self._home / name)
 
     def publish_adapter(self, build: Callable[[Path], None]) -> None:
         """The final adapter at the top level, next to the run files, as Axolotl puts it."""

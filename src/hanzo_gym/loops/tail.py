@@ -54,6 +54,14 @@ def check_finite_adapter(engine: Engine, step: int, cfg: Config) -> None:
         raise TrainingDiverged(step, {"adapter weights": math.nan}, cfg)
 
 
+def _every(steps: int | None, per_epoch: int | None, total: int, epochs: int) -> int | None:
+    """A cadence in steps: as given, or Axolotl's count per epoch, which it passes to HF as the fraction
+    1 / (count × epochs) of the run and HF turns into ceil(total × fraction) steps."""
+    if steps is not None or per_epoch is None:
+        return steps
+    return max(1, math.ceil(total / (per_epoch * epochs)))
+
+
 @dataclass
 class StepWindow:
     """The steps since the last logged row: each value's running sum, how many steps gave it, and the
@@ -127,6 +135,8 @@ class LoopTail:
         self.progress = Progress(total, self.step)
         self.say = self.progress.say
         self.started = time.perf_counter()
+        self.eval_every = _every(cfg.eval_steps, cfg.evals_per_epoch, total, cfg.num_epochs)
+        self.save_every = _every(cfg.save_steps, cfg.saves_per_epoch, total, cfg.num_epochs)
         self.last_eval: dict[str, float] | None = None
         if self._evaluate is not None and self.step == 0:
             self.evaluate(0.0)  # the base model's score: the number training has to beat
@@ -164,15 +174,18 @@ class LoopTail:
             self.run.log(row)
             self.say(self._line(row))
             self.window = StepWindow()
-        periodic = cfg.eval_steps and self.step % cfg.eval_steps == 0
+        periodic = self.eval_every and self.step % self.eval_every == 0
         if self._evaluate is not None and (periodic or place.ends_epoch or self.done):
             self.evaluate(place.progress)
-        if cfg.save_steps and self.step % cfg.save_steps == 0:
+        if self.save_every and self.step % self.save_every == 0:
             check_finite_adapter(self.engine, self.step, cfg)
             epoch, index = place.following
             mark = TrainerPosition(self.step, epoch, index, self.plan, log_window=asdict(self.window))
             path = self.run.save_checkpoint(
-                self.step, place.progress, lambda d: write_checkpoint(d, self.engine, mark)
+                self.step,
+                place.progress,
+                lambda d: write_checkpoint(d, self.engine, mark),
+                cfg.save_total_limit,
             )
             self.say(f"saved {path}")
 
