@@ -41,6 +41,24 @@ def short_request(base: str, model: str, tokens: int) -> float:
     return time.perf_counter() - started
 
 
+def decode_step_ms(host, rows: int, context: int = 350, steps: int = 20) -> float:
+    """One decode step of `rows` rows after a `context`-token prompt, in ms: what a row costs the rows it
+    shares a batch with (the reason a short request does not join a big running batch)."""
+    from hanzo_gym.engine.decoding import decoding
+    from hanzo_gym.engine.sampling import DecodeBatch, Prompt
+    from hanzo_gym.records import SamplingParams
+
+    prompt = (host.tokenizer(SHORT_PROMPT * 100)["input_ids"] * 2)[:context]
+    with decoding(host.model):
+        batch = DecodeBatch(host.model, host.tokenizer, seed=0)
+        batch.add([Prompt(prompt, rows, SamplingParams(max_tokens=steps + 3, temperature=1.0))])
+        batch.step()  # the first step follows the prefill
+        started = time.perf_counter()
+        for _ in range(steps):
+            batch.step()
+        return (time.perf_counter() - started) / steps * 1000
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
@@ -109,6 +127,14 @@ def main() -> None:
     print(
         f"ratio (beside / idle): p50 {percentile(loaded, 0.5) / percentile(idle, 0.5):.2f}x, "
         f"p95 {percentile(loaded, 0.95) / percentile(idle, 0.95):.2f}x (target: p95 under 2x)"
+    )
+    try:
+        costs = {rows: decode_step_ms(host, rows) for rows in (1, 2, 9)}
+    except ImportError:
+        return  # code from before continuous batching: no DecodeBatch to time
+    print(
+        "decode step after 350 tokens: "
+        + ", ".join(f"{rows} rows {ms:.0f} ms ({ms / costs[1]:.2f}x)" for rows, ms in costs.items())
     )
 
 

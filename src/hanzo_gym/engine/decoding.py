@@ -51,10 +51,12 @@ def _tokens_containing(tokenizer: PreTrainedTokenizerBase, characters: str) -> t
     return tuple(any(c in text for c in characters) for text in texts)
 
 
+@functools.lru_cache(maxsize=16)
 def stop_string_candidates(
-    tokenizer: PreTrainedTokenizerBase, stops: list[str], vocab_size: int, device: torch.device
+    tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
-    """[vocab] bool: could this token, drawn last, complete one of `stops`? Only such rows are decoded to text."""
+    """[vocab] bool: could this token, drawn last, complete one of `stops`? Only such rows are decoded to text.
+    Cached (read only): a batch asks again whenever its rows change."""
     candidates = torch.zeros(vocab_size, dtype=torch.bool, device=device)
     last_chars = "".join(sorted({s[-1] for s in stops if s}))
     if last_chars:

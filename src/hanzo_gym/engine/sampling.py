@@ -222,13 +222,16 @@ class DecodeBatch:
         self._temperature = torch.tensor([p.temperature for p in params], device=self.device)
         self._top_k = torch.tensor([p.top_k for p in params], device=self.device)
         self._top_p = torch.tensor([p.top_p for p in params], device=self.device)
+        self._streaming = any(job.prompt.on_token is not None for job in jobs)
         self._greedy = self._temperature == 0
         self._all_greedy = bool(self._greedy.all())
         stop_ids = sorted({i for job in jobs for i in job.stop_ids})
         self._stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         strings = sorted({s for job in jobs for s in job.stop_strings})
         self._stop_candidates = (
-            stop_string_candidates(self.tokenizer, strings, self._vocab, self.device) if strings else None
+            stop_string_candidates(self.tokenizer, tuple(strings), self._vocab, self.device)
+            if strings
+            else None
         )
 
     # -- leaving ---------------------------------------------------------------------------------------------
@@ -278,8 +281,12 @@ class DecodeBatch:
         if self.live_rows == 0:
             return []
         chosen = self._choose(self._logits)
-        step_logprobs = self._logits.log_softmax(-1)
-        chosen_logprobs = step_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+        # The whole [rows, vocab] log-softmax only for a streaming row's listener; the chosen tokens' logprobs
+        # need just one log-sum-exp per row.
+        step_logprobs = self._logits.log_softmax(-1) if self._streaming else None
+        chosen_logprobs = (
+            self._logits.gather(1, chosen[:, None]).squeeze(1) - self._logits.logsumexp(-1)
+        ).tolist()
         stop_token = torch.isin(chosen, self._stop_ids).tolist()
         could_end_string = (
             self._stop_candidates[chosen].tolist() if self._stop_candidates is not None else None
