@@ -4,7 +4,7 @@ One thread drives the model. Requests for the same adapter share a lane: one `De
 between decode steps and leave as they finish. A request that arrives at a lane which has been decoding for a
 while and can still cost much more than the request (rows × tokens left) starts a lane of its own instead, and
 lanes of one adapter take steps in inverse proportion to what they can still cost, the cheapest first: a step's
-cost grows with its rows (on a CPU, 2 rows cost 1.6× one), so a short request beside a long one finishes at
+cost grows with its rows (bench/serve_latency.py: on this CPU 9 rows cost 1.6× one), so a short request beside a long one finishes at
 nearly its own pace, and the long one waits only for the short one's few steps (bench/serve_latency.py). Lanes
 of different adapters take turns of at least 16 steps (the host serves one adapter at a time; on CPU each turn
 folds the adapter's LoRA into the weights). A seeded request gets a lane of its own, so a seed reproduces its
