@@ -10,7 +10,7 @@ import resource
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 INTERNAL = ("--model-dir", "--data", "--work-dir", "--result")
@@ -38,6 +38,15 @@ def compare_sides(
     script: str, rows: list[dict], steps: int, forwarded: list[str]
 ) -> tuple[dict, dict, float]:
     """Run TRL's side, then ours, on `rows`; return both results and the load average before they started."""
+    results, load_at_start = run_sides(script, ("trl", "ours"), rows, steps, forwarded)
+    return results["trl"], results["ours"], load_at_start
+
+
+def run_sides(
+    script: str, sides: Sequence[str], rows: list[dict], steps: int, forwarded: list[str]
+) -> tuple[dict[str, dict], float]:
+    """Run each of `sides` in turn on `rows`; return their results by name and the load average before they
+    started."""
     from hanzo_gym.model.hub import real_model_gguf, resolve_model
 
     # Converting the GGUF once here keeps the one-off de-quantisation out of both sides' time and memory.
@@ -47,11 +56,10 @@ def compare_sides(
         work_dir = Path(tmp)
         data_path = work_dir / "data.jsonl"
         data_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        results = [
-            _run_side(script, side, model_dir, data_path, work_dir, steps, forwarded)
-            for side in ("trl", "ours")
-        ]
-    return results[0], results[1], load_at_start
+        results = {
+            side: _run_side(script, side, model_dir, data_path, work_dir, steps, forwarded) for side in sides
+        }
+    return results, load_at_start
 
 
 def _run_side(

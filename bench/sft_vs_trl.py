@@ -1,9 +1,15 @@
-"""LoRA SFT throughput and memory: TRL's SFTTrainer against hanzo-gym's SFT loop on the same workload.
+"""LoRA SFT throughput and memory: TRL's SFTTrainer against hanzo-gym's SFT loop on the same workload, each in
+fp32 and in bf16, side by side in one run.
 
     python bench/sft_vs_trl.py [--steps N] [--rows 256] [--batch 8] [--max-length 512]
+                               [--sides trl-fp32,trl-bf16,ours-fp32,ours-bf16] [--peak-seconds 1]
 
 Each side runs in its own subprocess, so the peak RSS it reports is its own. Steps 2..N are timed (step 1 is
-warm-up) and tokens/s counts the non-pad tokens of those steps. This script only measures; it judges nothing.
+warm-up) and tokens/s counts the non-pad tokens of those steps. TRL's bf16 is its own `bf16=True` (autocast over
+fp32 weights); ours is the mixed recipe (frozen base in bf16, LoRA and AdamW state in fp32). Utilisation is the
+model FLOP/s (4 × the linear layers' weights per token: forward, and the backward to the inputs of frozen
+layers; LoRA and attention scores left out) over the matmul peak of the side's precision, measured after the
+sides by bench/matmul_peak.py's code. This script only measures; it judges nothing.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import random
 import time
 from pathlib import Path
 
-from harness import add_side_arguments, compare_sides, finish_side, peak_rss_bytes
+from harness import add_side_arguments, finish_side, peak_rss_bytes, run_sides
 
 SEED = 42
 LORA_R, LORA_ALPHA = 16, 32
 LEARNING_RATE = 2e-4
-TARGET_SPEEDUP, TARGET_MEMORY = 1.5, 0.75
+TARGET_SPEEDUP, TARGET_MEMORY = 1.5, 0.75  # ours in fp32 against TRL in fp32
+# issue 16: ours at our best (bf16) against TRL in fp32, and against TRL at its best, at half its memory
+TARGET_BF16_OVER_TRL_FP32, TARGET_BF16_OVER_TRL_BEST, TARGET_BF16_MEMORY = 5.0, 2.0, 0.5
 
 # fmt: off
 WORDS = (
@@ -51,7 +59,9 @@ def timed_window(step_end_times: list[float], step_tokens: list[int]) -> tuple[i
     return sum(step_tokens[1:]), step_end_times[-1] - step_end_times[0]
 
 
-def run_trl(model_dir: str, data_path: str, work_dir: str, steps: int, batch: int, max_length: int) -> dict:
+def run_trl(
+    model_dir: str, data_path: str, work_dir: str, steps: int, batch: int, max_length: int, bf16: bool
+) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
@@ -78,9 +88,8 @@ def run_trl(model_dir: str, data_path: str, work_dir: str, steps: int, batch: in
         learning_rate=LEARNING_RATE,
         max_length=max_length,
         packing=False,
-        # TRL's default bf16=True means bf16 autocast, and on CPU it refuses to start without use_cpu=True;
-        # the workload is fp32.
-        bf16=False,
+        # TRL's bf16=True (its default) is bf16 autocast over fp32 weights; on CPU it needs use_cpu=True.
+        bf16=bf16,
         use_cpu=True,
         seed=SEED,
         report_to="none",
@@ -111,6 +120,7 @@ def run_trl(model_dir: str, data_path: str, work_dir: str, steps: int, batch: in
         "attn_implementation": model.config._attn_implementation,
         "model dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "dataloader_num_workers": args.dataloader_num_workers,
+        "bf16": args.bf16,
     }
     dataset = trainer.train_dataset
     loaded_rss = peak_rss_bytes()
@@ -123,10 +133,14 @@ def run_trl(model_dir: str, data_path: str, work_dir: str, steps: int, batch: in
         "dataset_tokens": sum(len(ids) for ids in dataset["input_ids"]),
         "trained_tokens": sum(label != -100 for labels in dataset["labels"] for label in labels),
         "settings": settings,
+        "precision": f"bf16 autocast, {settings['model dtype']} weights" if bf16 else settings["model dtype"],
+        "peak_dtype": "bf16" if bf16 else "fp32",
     }
 
 
-def run_ours(model_dir: str, data_path: str, work_dir: str, steps: int, batch: int, max_length: int) -> dict:
+def run_ours(
+    model_dir: str, data_path: str, work_dir: str, steps: int, batch: int, max_length: int, bf16: bool
+) -> dict:
     import torch
 
     from hanzo_gym.config import parse_config
@@ -156,12 +170,16 @@ def run_ours(model_dir: str, data_path: str, work_dir: str, steps: int, batch: i
             "max_steps": steps,
             "logging_steps": 1,
             "seed": SEED,
-            "bf16": False,
+            "bf16": bf16,
         }
     )
     tokenizer = load_tokenizer(cfg.base_model)
     train = load_examples(cfg, tokenizer).train
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32)
+    engine = build_engine(cfg, torch.device("cpu"), torch.bfloat16 if bf16 else torch.float32)
+    base_dtypes = {
+        str(p.dtype).removeprefix("torch.") for p in engine.model.parameters() if not p.requires_grad
+    }
+    adapter_dtypes = {str(p.dtype).removeprefix("torch.") for p in engine.trainable}
     run = RunDir(cfg.output_dir)
     loaded_rss = peak_rss_bytes()
     torch.manual_seed(cfg.seed)
@@ -176,13 +194,40 @@ def run_ours(model_dir: str, data_path: str, work_dir: str, steps: int, batch: i
         "loaded_rss_bytes": loaded_rss,
         "dataset_tokens": sum(len(e) for e in train),
         "trained_tokens": sum(e.trained_tokens for e in train),
+        "precision": f"base {'/'.join(sorted(base_dtypes))}, LoRA + AdamW {'/'.join(sorted(adapter_dtypes))}",
+        "peak_dtype": "bf16" if bf16 else "fp32",
     }
 
 
-SIDES = {"trl": run_trl, "ours": run_ours}
+SIDES = {
+    "trl-fp32": lambda *args: run_trl(*args, bf16=False),
+    "trl-bf16": lambda *args: run_trl(*args, bf16=True),
+    "ours-fp32": lambda *args: run_ours(*args, bf16=False),
+    "ours-bf16": lambda *args: run_ours(*args, bf16=True),
+}
+NAMES = {
+    "trl-fp32": "TRL fp32",
+    "trl-bf16": "TRL bf16=True",
+    "ours-fp32": "hanzo-gym fp32",
+    "ours-bf16": "hanzo-gym bf16",
+}
 
 
-def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
+def model_flops_per_token(model_dir: str) -> int:
+    """4 × the weights of the linear layers (the output projection included, once even when tied): 2 per
+    weight forward, 2 for the gradient to the layer's input; frozen weights get no weight gradient."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return 4 * sum(weights.values())
+
+
+def print_report(
+    results: dict[str, dict], opts, load_at_start: float, flops_per_token: int, peak: dict[str, float] | None
+) -> None:
     def per_second(side: dict) -> float:
         return side["tokens"] / side["seconds"]
 
@@ -190,30 +235,64 @@ def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
         return side["peak_rss_bytes"] / 1e9
 
     print(
-        f"workload: SmolLM2-135M-Instruct (GGUF → fp32), LoRA r={LORA_R} alpha {LORA_ALPHA} all-linear, "
+        f"workload: SmolLM2-135M-Instruct (GGUF → fp32 on disk), LoRA r={LORA_R} alpha {LORA_ALPHA} all-linear, "
         f"{opts.rows} rows, batch {opts.batch}, max_length {opts.max_length}, lr {LEARNING_RATE}, CPU, "
         f"steps 2..{opts.steps} timed"
     )
     # tokens/s is only comparable between runs on an otherwise idle machine
     print(f"machine: {os.cpu_count()} CPUs, 1-minute load average at start {load_at_start:.2f}")
-    print(f"{'':18} {'tokens/s':>9} {'peak RSS (GB)':>14} {'RSS pre-train':>15} {'tokens':>7} {'seconds':>8}")
-    for name, side in (("TRL SFTTrainer", trl), ("hanzo-gym", ours)):
-        loaded = side["loaded_rss_bytes"] / 1e9
+    if peak:
         print(
-            f"{name:18} {per_second(side):9.1f} {gigabytes(side):14.2f} {loaded:15.2f} "
-            f"{side['tokens']:7d} {side['seconds']:8.1f}"
+            f"matmul peak (bench/matmul_peak.py shapes, measured after the sides): bf16 {peak['bf16']:.0f}, "
+            f"fp32 {peak['fp32']:.0f} GFLOP/s; model work {flops_per_token / 1e6:.0f} MFLOP per token"
         )
-    speedup, memory = per_second(ours) / per_second(trl), gigabytes(ours) / gigabytes(trl)
     print(
-        f"{'ratio (ours/TRL)':18} {speedup:8.2f}x {memory:13.2f}x"
-        f"     (target ≥ {TARGET_SPEEDUP}x tokens/s, ≤ {TARGET_MEMORY}x memory)"
+        f"{'':16} {'precision':34} {'tokens/s':>9} {'util':>6} {'peak RSS (GB)':>14} {'RSS pre-train':>14} "
+        f"{'tokens':>7} {'seconds':>8} {'load':>5}"
     )
-    for name, side in (("TRL", trl), ("hanzo-gym", ours)):
-        print(
-            f"tokenized rows, {name}: {side['dataset_tokens']} tokens, {side['trained_tokens']} with a label"
+    for key, side in results.items():
+        util = (
+            f"{100 * per_second(side) * flops_per_token / (peak[side['peak_dtype']] * 1e9):5.0f}%"
+            if peak
+            else "    -"
         )
-    print("TRL settings in effect: " + ", ".join(f"{k}={v}" for k, v in trl["settings"].items()))
-    print("TRL differs from its defaults only in: bf16=False, use_cpu=True, report_to=none, save_strategy=no")
+        print(
+            f"{NAMES[key]:16} {side['precision']:34} {per_second(side):9.1f} {util:>6} {gigabytes(side):14.2f} "
+            f"{side['loaded_rss_bytes'] / 1e9:14.2f} {side['tokens']:7d} {side['seconds']:8.1f} "
+            f"{side['load_at_start']:5.2f}"
+        )
+
+    def ratio(ours: str, theirs: str, what: str, speed_target: float, memory_target: float) -> None:
+        if ours in results and theirs in results:
+            a, b = results[ours], results[theirs]
+            print(
+                f"{NAMES[ours]} / {what}: {per_second(a) / per_second(b):.2f}x tokens/s (target ≥ "
+                f"{speed_target}x), {gigabytes(a) / gigabytes(b):.2f}x peak RSS (target ≤ {memory_target}x)"
+            )
+
+    ratio("ours-fp32", "trl-fp32", "TRL fp32", TARGET_SPEEDUP, TARGET_MEMORY)
+    ratio("ours-bf16", "trl-fp32", "TRL fp32", TARGET_BF16_OVER_TRL_FP32, TARGET_BF16_MEMORY)
+    trl_sides = [key for key in ("trl-fp32", "trl-bf16") if key in results]
+    if trl_sides:
+        best = max(trl_sides, key=lambda key: per_second(results[key]))
+        ratio(
+            "ours-bf16",
+            best,
+            f"TRL at its best ({NAMES[best]})",
+            TARGET_BF16_OVER_TRL_BEST,
+            TARGET_BF16_MEMORY,
+        )
+    for key, side in results.items():
+        print(
+            f"tokenized rows, {NAMES[key]}: {side['dataset_tokens']} tokens, {side['trained_tokens']} with a label"
+        )
+    for key in trl_sides:
+        settings = results[key]["settings"]
+        print(f"{NAMES[key]} settings in effect: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print(
+        "TRL differs from its defaults only in: bf16 (False on its fp32 side), use_cpu=True, report_to=none, "
+        "save_strategy=no"
+    )
 
 
 def main() -> None:
@@ -224,10 +303,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument(
+        "--sides", default=",".join(SIDES), help=f"which sides to run, in order (default: {','.join(SIDES)})"
+    )
+    parser.add_argument(
+        "--peak-seconds", type=float, default=1.0, help="time per shape for the matmul peak; 0 skips it"
+    )
     add_side_arguments(parser, SIDES)
     opts = parser.parse_args()
     if opts.steps < 2:
         parser.error("--steps must be at least 2: step 1 is warm-up")
+    sides = [side.strip() for side in opts.sides.split(",") if side.strip()]
+    unknown = [side for side in sides if side not in SIDES]
+    if unknown or not sides:
+        parser.error(f"--sides takes {', '.join(SIDES)} (got {opts.sides!r})")
     if opts.side:
         finish_side(
             opts,
@@ -237,8 +326,16 @@ def main() -> None:
         )
         return
     forwarded = ["--batch", str(opts.batch), "--max-length", str(opts.max_length)]
-    trl, ours, load_at_start = compare_sides(__file__, synthetic_rows(opts.rows), opts.steps, forwarded)
-    print_report(trl, ours, opts, load_at_start)
+    results, load_at_start = run_sides(__file__, sides, synthetic_rows(opts.rows), opts.steps, forwarded)
+    from hanzo_gym.model.hub import real_model_gguf, resolve_model
+
+    flops_per_token = model_flops_per_token(str(resolve_model(str(real_model_gguf()))))
+    peak = None
+    if opts.peak_seconds > 0:
+        from matmul_peak import measure, peaks
+
+        peak = peaks(measure(opts.peak_seconds))
+    print_report(results, opts, load_at_start, flops_per_token, peak)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def test_bad_enum_value_lists_what_is_allowed(tmp_path):
     message = _error(tmp_path, BASE + "lr_scheduler: cosin\n")
     assert "run.yaml:8" in message and "'cosine', 'linear', 'constant'" in message and "`cosine`" in message
     message = _error(tmp_path, BASE.replace("type: chat_template", "type: sharegpt"))
-    assert "run.yaml:7" in message and "datasets[0].type" in message and "'alpaca'" in message
+    assert "run.yaml:7" in message and "datasets[0].type" in message and "chat_template, alpaca" in message
 
 
 def test_wrong_type_and_range_name_key_and_line(tmp_path):
@@ -138,7 +138,7 @@ def test_duplicate_key_is_an_error(tmp_path):
             "load_in_8bit: true\n",
             "Axolotl's `load_in_8bit` (a bitsandbytes 8-bit base model) is not supported yet",
         ),
-        ("rl: dpo\n", "DPO family) is not supported yet"),
+        ("fp16: true\n", "Axolotl's `fp16` (float16 mixed precision) is not supported yet"),
     ],
 )
 def test_features_we_do_not_have_fail_at_load_with_a_sentence(tmp_path, extra, expected):
@@ -293,7 +293,7 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
         ("tokenizer_type: AutoTokenizer\n", "`tokenizer_type` (the tokenizer loader class)"),
         ("fp16: true\n", "`fp16` (float16 mixed precision)"),
         ("deepspeed: deepspeed_configs/zero2.json\n", "`deepspeed` (DeepSpeed ZeRO sharding)"),
-        ("wandb_project: my-run\n", "`wandb_project` (Weights & Biases logging"),
+        ("plugins: [axolotl.integrations.cut_cross_entropy]\n", "`plugins` (Axolotl plugins"),
         ("special_tokens:\n  pad_token: <pad>\n", "`special_tokens` (setting the pad/bos/eos/unk tokens)"),
         ("    name: main\n", "`datasets[0].name` (the Hugging Face dataset config name)"),
         ("trl:\n  use_vllm: true\n", "`trl.use_vllm` (rollouts on a vLLM server)"),
@@ -319,14 +319,14 @@ def test_every_refusal_of_a_file_is_listed_together_in_line_order(tmp_path):
         "deepspeed: zero2.json\n"  # 8
         "lora_alpah: 32\n"  # 9
         "micro_batch_size: 0\n"  # 10
-        "rl: dpo\n"  # 11
-        "wandb_project: demo\n"  # 12
+        "fp16: true\n"  # 11
+        "lora_model_dir: ./adapter\n"  # 12
         "optimizer: sgd\n"  # 13
     )
     lines = _error(tmp_path, text).splitlines()
     assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in lines] == ["8", "9", "10", "11", "12", "13"]
     assert "`deepspeed`" in lines[0] and "`lora_alpah`" in lines[1] and "`micro_batch_size`" in lines[2]
-    assert "rl: dpo" in lines[3] and "`wandb_project`" in lines[4] and "optimizer: sgd" in lines[5]
+    assert "`fp16`" in lines[3] and "`lora_model_dir`" in lines[4] and "optimizer: sgd" in lines[5]
 
 
 def test_unknown_keys_still_fail(tmp_path):

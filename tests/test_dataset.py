@@ -43,7 +43,9 @@ def completion_rows(texts=TEXTS):
 
 def test_truncates_and_drops_with_counts(word_tokenizer):
     ds = DatasetConfig(path="texts.jsonl", type="completion")
-    kept, stats = examples_from_rows(completion_rows(), ds, StrategyContext(word_tokenizer), sequence_len=3)
+    kept, stats = examples_from_rows(
+        completion_rows(), ds, StrategyContext(word_tokenizer), sequence_len=3, excess_length="truncate"
+    )
     assert len(kept) == 11
     # 7 one-word texts of 2 tokens, 2 two-word texts of 3, 2 longer texts cut to 3, the empty one dropped;
     # every token is labelled but each example's first one cannot be predicted, so it is not counted trained
@@ -93,7 +95,9 @@ def test_load_examples_shuffles_deterministically_and_takes_val_from_the_end(tmp
     datasets = [{"path": path, "type": "completion"}]
 
     def load(**keys):
-        return load_examples(config(datasets, sequence_len=3, **keys), word_tokenizer)
+        return load_examples(
+            config(datasets, sequence_len=3, excess_length_strategy="truncate", **keys), word_tokenizer
+        )
 
     base = load(val_set_size=0.2)
     assert (len(base.train), len(base.val)) == (8, 3)  # ceil(0.2 * 11)
@@ -108,7 +112,11 @@ def test_load_examples_shuffles_deterministically_and_takes_val_from_the_end(tmp
     assert none.val == [] and [e.input_ids for e in none.train] == everything
 
     in_file_order, _ = examples_from_rows(
-        completion_rows(), DatasetConfig(path=path, type="completion"), StrategyContext(word_tokenizer), 3
+        completion_rows(),
+        DatasetConfig(path=path, type="completion"),
+        StrategyContext(word_tokenizer),
+        3,
+        "truncate",
     )
     unshuffled = [e.input_ids for e in in_file_order]
     assert everything != unshuffled and sorted(everything) == sorted(unshuffled)
@@ -123,7 +131,7 @@ def test_load_examples_combines_datasets_and_reports_stats(tmp_path, word_tokeni
         return {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
 
     short_chat = chat("hi there", "fine thanks")  # 10 tokens
-    # 16 tokens: cut to 10, the assistant turn is gone, so nothing is trained and the row is dropped
+    # 16 tokens, longer than sequence_len: dropped (excess_length_strategy's default, drop)
     long_chat = chat("one two three four five six seven eight", "fine")
     chats = write_jsonl(tmp_path / "chats.jsonl", [short_chat, short_chat, long_chat, short_chat])
     cfg = config(
@@ -142,10 +150,11 @@ def test_load_examples_combines_datasets_and_reports_stats(tmp_path, word_tokeni
     loaded = load_examples(cfg, word_tokenizer)
     assert (len(loaded.train), len(loaded.val)) == (7, 7)
     assert [s.path for s in loaded.stats] == [texts, chats, "total"]
+    long, short = "dropped as longer than sequence_len", "dropped as too short or with nothing to train"
     assert format_stats(loaded.stats).splitlines() == [
-        f"{texts}: 11 examples, 29 tokens, 18 trained, 0 truncated, 1 dropped",
-        f"{chats}: 3 examples, 30 tokens, 9 trained, 1 truncated, 1 dropped",
-        "total: 14 examples, 59 tokens, 27 trained, 1 truncated, 2 dropped",
+        f"{texts}: 11 examples, 29 tokens, 18 trained, 0 truncated, 0 {long}, 1 {short}",
+        f"{chats}: 3 examples, 30 tokens, 9 trained, 0 truncated, 1 {long}, 0 {short}",
+        f"total: 14 examples, 59 tokens, 27 trained, 0 truncated, 1 {long}, 1 {short}",
     ]
     assert sum(len(e) for e in loaded.train + loaded.val) == 59
 

@@ -68,6 +68,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.verbose,
         args.default_max_tokens,
         args.max_request_tokens,
+        args.tinker,
     )
 
 
@@ -131,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-tokens",
         type=int,
         help="the most tokens one request may ask for: prompts × n × max_tokens (default 32768)",
+    )
+    serve.add_argument(
+        "--tinker",
+        action="store_true",
+        help="also answer the official tinker SDK (/api/v1/*): TINKER_BASE_URL=http://HOST:PORT "
+        "TINKER_API_KEY=tml-anything; checkpoints go under $HANZO_GYM_RUNS (needs pip install tinker==0.38.0)",
     )
     serve.add_argument("--verbose", action="store_true", help="log every request")
     serve.set_defaults(handler=_serve)

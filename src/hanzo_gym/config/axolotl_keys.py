@@ -11,22 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-_TRACKERS = "metrics go to metrics.jsonl in the run directory; remove the key or leave it empty"
-
 # key path ("key", "datasets[].key", "trl.key") → (what it does in Axolotl, what to do instead)
 NOT_YET: dict[str, tuple[str, str]] = {
     "deepspeed": ("DeepSpeed ZeRO sharding", "multi-GPU data-parallel training runs under torchrun"),
     "fsdp": ("FSDP sharding of the model over GPUs", "multi-GPU data-parallel training runs under torchrun"),
     "fsdp_config": ("FSDP sharding settings", "multi-GPU data-parallel training runs under torchrun"),
     "fsdp_version": ("the FSDP version", "multi-GPU data-parallel training runs under torchrun"),
-    **{
-        f"wandb_{part}": (f"Weights & Biases logging: the run's {part.replace('_', ' ')}", _TRACKERS)
-        for part in ("project", "entity", "name", "run_id", "mode", "watch", "log_model")
-    },
-    "use_tensorboard": ("TensorBoard logging", _TRACKERS),
-    "use_mlflow": ("MLflow logging", _TRACKERS),
-    "mlflow_tracking_uri": ("the MLflow tracking server", _TRACKERS),
-    "mlflow_experiment_name": ("the MLflow experiment", _TRACKERS),
     "tf32": ("the CUDA TF32 matmul switch", "remove it; matmuls run at torch's default precision"),
     "attn_implementation": ("the transformers attention kernel", "remove it; models load with sdpa"),
     "flash_attention": ("FlashAttention kernels", "remove it; models load with sdpa"),
@@ -49,10 +39,13 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "eval_sample_packing": ("packing the eval set", "remove it"),
     "pad_to_sequence_len": ("padding every batch to sequence_len", "remove it"),
     "group_by_length": ("batching examples of similar length together", "remove it"),
-    "loss_watchdog_threshold": ("stopping when the loss blows up", "remove it"),
-    "loss_watchdog_patience": ("stopping when the loss blows up", "remove it"),
     "early_stopping_patience": ("stopping when the eval loss stops improving", "remove it"),
-    "excess_length_strategy": ("what happens to over-long examples", "remove it; see `gym preprocess`"),
+    "remove_unused_columns": (
+        "dropping the dataset columns the trainer does not read",
+        "remove it or set it false; a dataset type reads only its own fields",
+    ),
+    "dpo_use_weighting": ("WPO: weighting each DPO pair by its probability under the policy", "remove it"),
+    "dpo_use_liger_kernel": ("Liger's fused DPO loss kernel", "remove it; the loss is computed in chunks already"),
     "plugins": ("Axolotl plugins (e.g. Cut Cross Entropy)", "remove it"),
     "strict": ("Axolotl's own strictness flag", "remove it; hanzo-gym always refuses unknown keys"),
     "pretraining_dataset": ("streaming pretraining data", "use a `completion` dataset"),
@@ -99,11 +92,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
 # (key, value) → the sentence: a key we have, with an Axolotl value we do not implement yet.
 VALUES_NOT_YET: dict[tuple[str, Any], str] = {
     ("adapter", "full"): "full fine-tuning is not supported yet; use `adapter: lora`",
-    **{
-        ("rl", name): f"rl: {name} (DPO family) is not supported yet; hanzo-gym trains `rl: grpo` or SFT "
-        "(no `rl` key)"
-        for name in ("dpo", "ipo", "kto", "orpo", "simpo")
-    },
 }
 
 # HF `optim` and scheduler names Axolotl users may write that have another update rule or shape than ours.

@@ -19,11 +19,15 @@ from hanzo_gym.config.axolotl_keys import (
     close_misspelling,
     known_path,
 )
+from hanzo_gym.config.preference_keys import KTO_TYPES, PAIR_TYPES, PreferenceKeys, check_preference_keys
+from hanzo_gym.config.tracking import TrackingKeys
 from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
 
 # torch, numpy and Python's `random` all take seeds up to 2**32 - 1 (numpy's legacy seeding allows no more).
 MAX_SEED = 2**32 - 1
+SFT_TYPES = ("chat_template", "alpaca", "completion")
+DATASET_TYPES = tuple(dict.fromkeys((*SFT_TYPES, *PAIR_TYPES, *KTO_TYPES)))
 
 
 class _Strict(BaseModel):
@@ -38,7 +42,8 @@ class MessagePropertyMappings(_Strict):
 
 class DatasetConfig(_Strict):
     path: str
-    type: Literal["chat_template", "alpaca", "completion"]
+    # SFT's three types, or a preference type (config/preference_keys.py) that an `rl: dpo`-family run reads
+    type: str
     split: str | None = None
     data_files: list[str] | None = None
     field_messages: str = "messages"
@@ -49,6 +54,23 @@ class DatasetConfig(_Strict):
     field_input: str = "input"
     field_output: str = "output"
     field: str = "text"
+    field_chosen: str = "chosen"
+    field_rejected: str = "rejected"
+    # Axolotl's role mapping: the canonical role → the names rows use for it (e.g. assistant: [gpt, bot])
+    roles: dict[str, list[str]] | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        if value not in DATASET_TYPES:
+            close = close_misspelling(value, list(DATASET_TYPES))
+            hint = f"did you mean `{close}`? " if close else ""
+            raise ValueError(
+                f"unknown dataset type; {hint}SFT and GRPO read chat_template, alpaca or completion; preference "
+                "training (rl: dpo, ipo, orpo, simpo, kto) reads chat_template.default, chat_template.argilla_chat, "
+                "chat_template.argilla, passthrough, chatml.<variant> or llama3.<variant>"
+            )
+        return value
 
     @field_validator("split")
     @classmethod
@@ -121,7 +143,7 @@ class CheckpointingKwargs(_Strict):
         return value
 
 
-class Config(_Strict):
+class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tracking.py
     base_model: str
     tokenizer_config: str | None = None
     chat_template: str | None = None
@@ -129,6 +151,8 @@ class Config(_Strict):
     val_set_size: float = Field(0.0, ge=0)
     output_dir: str
     sequence_len: int = Field(2048, gt=1)
+    # SFT examples longer than sequence_len: dropped (Axolotl's default), cut to it, or an error
+    excess_length_strategy: Literal["drop", "truncate", "raise"] = "drop"
     train_on_inputs: bool = False
     sample_packing: bool = False
 
@@ -168,6 +192,9 @@ class Config(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0)
     logging_steps: int = Field(10, ge=1)
+    # Axolotl's loss watchdog: stop when the newest logged loss is above the threshold for `patience` steps
+    loss_watchdog_threshold: float | None = None
+    loss_watchdog_patience: int | None = Field(None, ge=1)  # Axolotl's default: 3
     eval_steps: int | None = Field(None, ge=1)
     evals_per_epoch: int | None = Field(None, ge=1)  # Axolotl's other way to say eval_steps
     save_steps: int | None = Field(None, ge=1)
@@ -179,7 +206,7 @@ class Config(_Strict):
     gradient_checkpointing: bool = False
     gradient_checkpointing_kwargs: CheckpointingKwargs = CheckpointingKwargs()
 
-    rl: Literal["grpo"] | None = None
+    rl: Literal["grpo", "dpo", "ipo", "orpo", "simpo", "kto"] | None = None
     trl: TrlConfig = TrlConfig()
 
     @field_validator("chat_template")
@@ -231,6 +258,21 @@ class Config(_Strict):
                 raise ValueError(f"`{steps}` and `{per_epoch}` say the same thing two ways; give one of them")
         if isinstance(self.resume_from_checkpoint, str) and not Path(self.resume_from_checkpoint).is_dir():
             raise ValueError(f"resume_from_checkpoint: {self.resume_from_checkpoint} is not a directory")
+        check_preference_keys(self)
+        if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:
+            raise ValueError(
+                "loss_watchdog_patience needs `loss_watchdog_threshold` (the loss that counts as too high)"
+            )
+        if self.rl == "grpo" and self.loss_watchdog_threshold is not None:
+            raise ValueError(
+                "loss_watchdog_threshold watches a loss that falls as training works (SFT, DPO and its family), "
+                "not rl: grpo's"
+            )
+        if self.rl == "grpo" and self.excess_length_strategy != "drop":
+            raise ValueError(
+                f"excess_length_strategy: {self.excess_length_strategy} is implemented for SFT and preference "
+                "data, not yet for rl: grpo (its prompts longer than sequence_len are dropped); remove it"
+            )
         if self.rl == "grpo":
             if not self.trl.reward_funcs:
                 raise ValueError("rl: grpo needs `trl.reward_funcs`")

@@ -1,5 +1,9 @@
 """From config to training data: every dataset's rows tokenized by its strategy, fitted to `sequence_len`,
-combined, shuffled with the run's seed and split into train and validation examples."""
+combined, shuffled with the run's seed and split into train and validation examples.
+
+An example longer than `sequence_len` is handled as Axolotl's `excess_length_strategy` says: `drop` (its
+default) leaves it out, `truncate` keeps its first `sequence_len` tokens, `raise` stops with the dataset and row.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext, row_to_example
+from hanzo_gym.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -22,7 +27,8 @@ if TYPE_CHECKING:
 @dataclass
 class DatasetStats:
     """What tokenizing one dataset (or all of them: path `total`) gave; counts are of kept examples except
-    `truncated` (kept, cut to sequence_len) and `dropped` (too short or nothing to train)."""
+    `truncated` (kept, cut to sequence_len), `too_long` (dropped: longer than sequence_len) and `dropped`
+    (too short or nothing to train)."""
 
     path: str
     examples: int = 0
@@ -30,6 +36,7 @@ class DatasetStats:
     trained_tokens: int = 0
     truncated: int = 0
     dropped: int = 0
+    too_long: int = 0
 
 
 @dataclass
@@ -50,7 +57,7 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
     stats: list[DatasetStats] = []
     for ds in cfg.datasets:
         rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files)
-        kept, ds_stats = examples_from_rows(rows, ds, ctx, cfg.sequence_len)
+        kept, ds_stats = examples_from_rows(rows, ds, ctx, cfg.sequence_len, cfg.excess_length_strategy)
         examples.extend(kept)
         stats.append(ds_stats)
     stats.append(_total(stats))
@@ -60,15 +67,27 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
 
 
 def examples_from_rows(
-    rows: Iterable[Row], ds: DatasetConfig, ctx: StrategyContext, sequence_len: int
+    rows: Iterable[Row],
+    ds: DatasetConfig,
+    ctx: StrategyContext,
+    sequence_len: int,
+    excess_length: str = "drop",
 ) -> tuple[list[Example], DatasetStats]:
-    """Each row's Example, truncated to `sequence_len`; examples shorter than 2 tokens or with no trained
-    token are dropped."""
+    """Each row's Example; one longer than `sequence_len` dropped, truncated or refused (`excess_length`, see
+    the module's docstring); examples shorter than 2 tokens or with no trained token are dropped."""
     stats = DatasetStats(ds.path)
     kept = []
     for row in rows:
         example = row_to_example(row, ds, ctx)
         if len(example) > sequence_len:
+            if excess_length == "raise":
+                raise DataError(
+                    f"{row.file} row {row.line} is {len(example)} tokens, longer than sequence_len {sequence_len} "
+                    "(excess_length_strategy: raise); raise sequence_len, or use `drop` or `truncate`"
+                )
+            if excess_length == "drop":
+                stats.too_long += 1
+                continue
             example = Example(example.input_ids[:sequence_len], example.labels[:sequence_len])
             stats.truncated += 1
         if len(example) < 2 or example.trained_tokens == 0:
@@ -94,7 +113,8 @@ def validation_count(val_set_size: float, n: int) -> int:
 def format_stats(stats: list[DatasetStats]) -> str:
     return "\n".join(
         f"{s.path}: {s.examples} examples, {s.tokens} tokens, {s.trained_tokens} trained, "
-        f"{s.truncated} truncated, {s.dropped} dropped"
+        f"{s.truncated} truncated, {s.too_long} dropped as longer than sequence_len, {s.dropped} dropped "
+        "as too short or with nothing to train"
         for s in stats
     )
 
@@ -107,4 +127,21 @@ def _total(stats: list[DatasetStats]) -> DatasetStats:
         trained_tokens=sum(s.trained_tokens for s in stats),
         truncated=sum(s.truncated for s in stats),
         dropped=sum(s.dropped for s in stats),
+        too_long=sum(s.too_long for s in stats),
     )
+
+
+def excess_length_note(cfg: Config, stats: list[DatasetStats]) -> str | None:
+    """The line `gym train` prints when examples were longer than sequence_len (None when none were)."""
+    total = stats[-1]
+    if total.too_long:
+        return (
+            f"dropped {total.too_long} examples longer than sequence_len {cfg.sequence_len} "
+            "(excess_length_strategy: drop; `truncate` keeps their first sequence_len tokens)"
+        )
+    if total.truncated:
+        return (
+            f"truncated {total.truncated} examples longer than sequence_len {cfg.sequence_len} to it "
+            "(excess_length_strategy: truncate)"
+        )
+    return None

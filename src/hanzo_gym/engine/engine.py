@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,9 @@ from hanzo_gym.engine.token_logprobs import token_logprobs
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.lora import adapter_weights, set_adapter_weights
 from hanzo_gym.records import AdamParams, Datum, SampledSequence, SamplingParams, TensorData
+
+# per-datum token log-probabilities → (scalar loss, metrics); see Engine.forward_backward_custom
+SequenceLossFn = Callable[[list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass
@@ -108,6 +111,26 @@ class Engine:
             raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
         self.model.train()
         return self._scored_passes(datums, loss_fn, loss_fn_config, backward=True)
+
+    def forward_backward_custom(
+        self, datums: list[Datum], loss_fn: SequenceLossFn
+    ) -> tuple[float, dict[str, float]]:
+        """Accumulate the gradient of `loss_fn` over these datums' per-token log-probabilities, with one forward
+        and one backward: for a loss that couples datums (a DPO pair: chosen against rejected), the graph of
+        every pass is kept until the loss is known, so memory follows the batch, as in a padded batch.
+        `loss_fn(logprobs)` takes one `[len(datum)]` tensor per datum and returns (scalar loss, metrics).
+        Returns the loss's value and the metrics."""
+        if not self.trainable:
+            raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
+        check_datums(datums)
+        self.model.train()
+        logprobs: list[torch.Tensor] = []
+        for group in self._passes(datums):
+            logprobs_N, _ = self._packed_logprobs(group)
+            logprobs.extend(logprobs_N.split([len(d) for d in group]))
+        loss, metrics = loss_fn(logprobs)
+        loss.backward()
+        return loss.item(), metrics
 
     def _scored_passes(
         self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None, backward: bool

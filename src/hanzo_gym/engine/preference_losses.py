@@ -26,6 +26,16 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+# the metrics every pair loss reports (KTO: all but accuracies, and margins only with both sides present)
+PAIR_METRIC_NAMES = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
 
 @dataclass(frozen=True)
 class PreferenceLoss:

@@ -34,7 +34,7 @@ from hanzo_gym.loops.rl_math import (
 )
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import adam_params
-from hanzo_gym.loops.tail import LoopTail, StepPlace, check_finite
+from hanzo_gym.loops.tail import LoopTail, StepPlace, check_finite, planned_steps
 from hanzo_gym.records import Datum, SampledSequence, SamplingParams, TensorData
 from hanzo_gym.rewards import (
     Completion,
@@ -156,11 +156,7 @@ def train_grpo(
     weights = trl.reward_weights or None
     prompts_per_step = cfg.micro_batch_size * world_size()
     per_epoch = -(-len(train) // prompts_per_step)
-    total = (
-        cfg.num_epochs * per_epoch
-        if cfg.max_steps is None
-        else min(cfg.max_steps, cfg.num_epochs * per_epoch)
-    )
+    total, epochs = planned_steps(cfg, per_epoch)  # max_steps: as long as it says, looping the prompts
     plan = {
         **adapter_fingerprint(cfg),
         "train_prompts": len(train),
@@ -182,7 +178,7 @@ def train_grpo(
             f"sample {row['time/sample']:.1f}s train {row['time/train']:.1f}s"
         ),
     )
-    for epoch in range(tail.position.epoch, cfg.num_epochs):
+    for epoch in range(tail.position.epoch, epochs):
         order = epoch_order(len(train), cfg.seed, epoch)
         for index in range(tail.first_index(epoch), per_epoch):
             if tail.done:

@@ -37,6 +37,7 @@ from hanzo_gym.files import (
     remove_entry,
     swap_in,
 )
+from hanzo_gym.loops.trackers import Trackers
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"
@@ -51,6 +52,8 @@ class RunDir:
         self.path = Path(path)  # output_dir: where the run's files end up, and what its records name
         self._home = self.path  # where they are written now: the staging folder while the run is staged
         self.writer = is_main() if writer is None else writer
+        # W&B / TensorBoard / MLflow (`loops.trackers`): every metrics row and checkpoint goes to them too
+        self.trackers = Trackers()
         if not self.writer:
             return
         try:
@@ -138,6 +141,7 @@ class RunDir:
         line = json.dumps(row, allow_nan=False)  # NaN and Infinity are not JSON: the loops stop first
         with open(self.metrics_path, "a", encoding="utf-8") as handle:
             handle.write(line + "\n")
+        self.trackers.log(row)
 
     def metrics(self) -> list[dict]:
         return _read_jsonl(self.metrics_path)
@@ -164,6 +168,7 @@ class RunDir:
         with open(self.checkpoints_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
         self.finish()
+        self.trackers.checkpoint(self._home / final.name, step, epoch)
         if keep is not None:
             self._keep_newest_checkpoints(keep)
         return final

@@ -24,7 +24,7 @@ from hanzo_gym.engine.distributed import shard, sum_across, world_size
 from hanzo_gym.loops.checkpoint import adapter_fingerprint
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import adam_params
-from hanzo_gym.loops.tail import LoopTail, StepPlace, StepWindow
+from hanzo_gym.loops.tail import LoopTail, StepPlace, StepWindow, planned_steps
 
 
 @dataclass
@@ -79,10 +79,7 @@ def train_sft(
     run: RunDir,
     resume_from: Path | None = None,
 ) -> SftResult:
-    steps_per_epoch = len(_windows(cfg, train, 0))
-    total = cfg.num_epochs * steps_per_epoch
-    if cfg.max_steps is not None:
-        total = min(total, cfg.max_steps)
+    total, epochs = planned_steps(cfg, len(_windows(cfg, train, 0)))  # max_steps: as long as it says
     tail = LoopTail(
         engine,
         cfg,
@@ -97,7 +94,7 @@ def train_sft(
             f"grad_norm {row['grad_norm']:.3f} tokens/s {row['tokens_per_s']:.0f}"
         ),
     )
-    for epoch in range(tail.position.epoch, cfg.num_epochs):
+    for epoch in range(tail.position.epoch, epochs):
         windows = _windows(cfg, train, epoch)
         for index in range(tail.first_index(epoch), len(windows)):
             if tail.done:

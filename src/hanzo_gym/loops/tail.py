@@ -8,6 +8,13 @@ uninterrupted one would.
 
 The tail also stops a run whose numbers stop being finite (`TrainingDiverged`), before a NaN is logged or
 saved: an adapter of NaNs loads fine and answers nonsense.
+
+Axolotl's loss watchdog (`loss_watchdog_threshold`, `loss_watchdog_patience`, default 3) is its callback's rule:
+at the end of every step, before that step's row is logged (HF logs after the step-end callbacks), the newest
+logged row's `loss` is compared with the threshold (an eval row has none: that step neither counts nor
+resets); each step it is above counts, a step where it is not resets the count, and at `patience` the run
+stops there as a finished run (its last row logged, evaluated, the adapter written). The count starts afresh
+on resume.
 """
 
 from __future__ import annotations
@@ -60,6 +67,16 @@ def _every(steps: int | None, per_epoch: int | None, total: int, epochs: int) ->
     if steps is not None or per_epoch is None:
         return steps
     return max(1, math.ceil(total / (per_epoch * epochs)))
+
+
+def planned_steps(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
+    """(optimizer steps, epochs to run) of a loop with `steps_per_epoch` steps an epoch. `max_steps` overrides
+    `num_epochs` as in HF's Trainer, to which Axolotl passes both: the run is max_steps long, fewer steps than
+    num_epochs would take or more, and loops over the data (each epoch in its own order) as often as that needs;
+    the schedule spans max_steps."""
+    if cfg.max_steps is None:
+        return cfg.num_epochs * steps_per_epoch, cfg.num_epochs
+    return cfg.max_steps, -(-cfg.max_steps // max(steps_per_epoch, 1))
 
 
 @dataclass
@@ -138,12 +155,31 @@ class LoopTail:
         self.eval_every = _every(cfg.eval_steps, cfg.evals_per_epoch, total, cfg.num_epochs)
         self.save_every = _every(cfg.save_steps, cfg.saves_per_epoch, total, cfg.num_epochs)
         self.last_eval: dict[str, float] | None = None
+        self.stopped = False  # the loss watchdog ended the run early
+        self._logged_loss: float | None = None  # the newest logged row's `loss`, for the watchdog
+        self._violations = 0
         if self._evaluate is not None and self.step == 0:
             self.evaluate(0.0)  # the base model's score: the number training has to beat
 
     @property
     def done(self) -> bool:
-        return self.step >= self.total
+        return self.stopped or self.step >= self.total
+
+    def _watch_loss(self) -> None:
+        threshold = self.cfg.loss_watchdog_threshold
+        if threshold is None or self._logged_loss is None:
+            return
+        if self._logged_loss <= threshold:
+            self._violations = 0
+            return
+        self._violations += 1
+        patience = self.cfg.loss_watchdog_patience or 3
+        if self._violations >= patience:
+            self.stopped = True
+            self.say(
+                f"step {self.step}: loss {self._logged_loss:.4f} above loss_watchdog_threshold {threshold:g} for "
+                f"{patience} steps: stopping the run here (Axolotl's loss watchdog)"
+            )
 
     def first_index(self, epoch: int) -> int:
         """Where `epoch` starts: mid-epoch when the run resumed into it."""
@@ -159,6 +195,7 @@ class LoopTail:
         scores = " ".join(f"{key} {value:.4f}" for key, value in result.items())
         self.say(f"eval step {self.step} epoch {epoch_progress:.2f} {scores}")
         self.last_eval = result
+        self._logged_loss = None  # the newest row is now an eval row, which HF's watchdog passes over
         return result
 
     def finish_step(self, values: dict[str, float], place: StepPlace) -> None:
@@ -168,8 +205,10 @@ class LoopTail:
         check_finite(values, self.step, cfg)
         self.progress.advance()
         self.window.add(values)
+        self._watch_loss()
         if self.step % cfg.logging_steps == 0 or self.done:
             row = {"step": self.step, "epoch": place.progress, **self._row(self.window)}
+            self._logged_loss = row.get("loss", self._logged_loss)
             row["elapsed_s"] = self.elapsed()
             self.run.log(row)
             self.say(self._line(row))

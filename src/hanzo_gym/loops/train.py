@@ -9,7 +9,9 @@ from peft import prepare_model_for_kbit_training
 from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
-from hanzo_gym.data.dataset import load_examples
+from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
+from hanzo_gym.data.dataset import excess_length_note, load_examples
+from hanzo_gym.data.preference import load_preferences
 from hanzo_gym.data.prompts import load_prompts
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine.distributed import (
@@ -24,10 +26,12 @@ from hanzo_gym.engine.state_files import save_engine_state
 from hanzo_gym.errors import GymError
 from hanzo_gym.files import publish_directory
 from hanzo_gym.loops.grpo import GrpoResult, train_grpo
+from hanzo_gym.loops.preference import PreferenceResult, train_preference
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.sft import SftResult, train_sft
 from hanzo_gym.loops.tail import check_finite_adapter
-from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, pick_device_and_dtype
+from hanzo_gym.loops.trackers import open_trackers
+from hanzo_gym.model.hub import choose_precision, load_causal_lm, load_tokenizer
 from hanzo_gym.model.lora import attach_lora
 
 
@@ -70,20 +74,29 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
     return Path(wanted)  # the config checked that it is a directory
 
 
-def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | GrpoResult:
+def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | GrpoResult | PreferenceResult:
     """Train and write the run directory (rank 0 only under torchrun). The final adapter goes to the run
     directory's top level, or into `adapter_dir` (a folder of its own) when given."""
     init_from_env()
-    device, dtype = pick_device_and_dtype(cfg.bf16)
+    precision = choose_precision(cfg.bf16)
+    device, dtype = precision.device, precision.dtype
+    if is_main():
+        print(precision.describe(), flush=True)  # the run's first line: what it computes in, and why
     tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config)
     if cfg.rl == "grpo":
         data = load_prompts(cfg, tokenizer)
         what = "prompts"
         if data.dropped and is_main():
             print(f"dropped {data.dropped} prompts longer than sequence_len {cfg.sequence_len}", flush=True)
+    elif cfg.rl in PREFERENCE_METHODS:
+        data = load_preferences(cfg, tokenizer)
+        what = "pairs"
     else:
         data = load_examples(cfg, tokenizer)
         what = "examples"
+        note = excess_length_note(cfg, data.stats)  # over-long examples dropped or truncated, how many
+        if note and is_main():
+            print(note, flush=True)
     if not data.train:
         if data.val:
             raise GymError(
@@ -116,8 +129,9 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
         tokenizer.save_pretrained(str(directory))
 
     torch.manual_seed(cfg.seed)
-    loop = train_grpo if cfg.rl == "grpo" else train_sft
+    loop = {"grpo": train_grpo, **dict.fromkeys(PREFERENCE_METHODS, train_preference)}.get(cfg.rl, train_sft)
     try:
+        run.trackers = open_trackers(cfg, engine.model)  # W&B / TensorBoard / MLflow, main process only
         result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_from)
         check_finite_adapter(engine, result.steps, cfg)
         if adapter_dir is not None:
@@ -126,7 +140,10 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
                 publish_directory(final, Path(adapter_dir))
         else:
             run.publish_adapter(final)
+        run.trackers.final(final)  # wandb_log_model: the final adapter as an artifact
+        run.trackers.finish()
     except BaseException:
+        run.trackers.finish(failed=True)
         if run.discard():
             print(
                 f"the new run stopped before its first checkpoint: {run.path} holds the previous run",

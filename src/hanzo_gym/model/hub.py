@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
@@ -62,16 +63,81 @@ MODEL_PATTERNS = [
 STALE_PARTIAL_SECONDS = 3600
 
 
+# CPU features with which oneDNN multiplies bf16 natively (x86); without them torch emulates bf16 matmuls,
+# several times slower than fp32. The first found is the one named.
+NATIVE_BF16_CPU_FEATURES = ("amx_bf16", "avx512_bf16")
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a run computes in, on which device, and why (the run's first line says it)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return "bf16" if self.dtype == torch.bfloat16 else "fp32"
+
+    def describe(self) -> str:
+        return f"precision: {self.name} ({self.reason})"
+
+
+def cpu_native_bf16() -> str | None:
+    """The CPU feature that multiplies bf16 natively (`amx_bf16` or `avx512_bf16`), or None. torch reports
+    what its own kernels detected; /proc/cpuinfo (Linux) answers where this torch has no such report. Tests
+    monkeypatch this to stand for a CPU without native bf16."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        try:
+            reported = capabilities()
+        except (RuntimeError, OSError):  # a torch that cannot read its CPU's features: ask the kernel's list
+            reported = None
+        if isinstance(reported, dict) and any(flag in reported for flag in NATIVE_BF16_CPU_FEATURES):
+            return next((flag for flag in NATIVE_BF16_CPU_FEATURES if reported.get(flag)), None)
+    try:
+        cpuinfo = CPUINFO.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    flags = {word for line in cpuinfo.splitlines() if line.startswith("flags") for word in line.split()}
+    return next((flag for flag in NATIVE_BF16_CPU_FEATURES if flag in flags), None)
+
+
+def choose_precision(bf16: str | bool = "auto") -> Precision:
+    """The device (CUDA when there is one, else the CPU) and the compute dtype for a `bf16:` setting. `auto` is
+    bf16 where the device multiplies bf16 natively: a CUDA device that supports it without emulation (compute
+    capability 8.0 and newer), a CPU with AMX or AVX512-BF16 (an idle AMD EPYC with avx512_bf16 ran bf16
+    matmuls of SmolLM2's shapes at about 5x fp32's rate, issue 16; bench/matmul_peak.py measures it); fp32
+    elsewhere, where bf16 matmuls are emulated and slower than fp32. `true` / `false` force it. Under torchrun each process takes the GPU that
+    `distributed.init_from_env` made current."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        where = f"CUDA device {torch.cuda.get_device_name(device)}"
+        has, lacks = f"{where} supports bf16", f"{where} has no native bf16"
+    else:
+        device = torch.device("cpu")
+        feature = cpu_native_bf16()
+        native = feature is not None
+        has, lacks = f"CPU has {feature}", "CPU has neither avx512_bf16 nor amx_bf16"
+    if bf16 == "auto":
+        return Precision(device, torch.bfloat16 if native else torch.float32, has if native else lacks)
+    if bf16:
+        reason = "bf16: true" if native else f"bf16: true; {lacks}, so bf16 matmuls are emulated and slow"
+        return Precision(device, torch.bfloat16, reason)
+    return Precision(device, torch.float32, "bf16: false")
+
+
 def pick_device_and_dtype(bf16: str | bool = "auto") -> tuple[torch.device, torch.dtype]:
-    """`bf16: auto` is bf16 on CUDA and fp32 on CPU (where bf16 matmuls are hundreds of times slower).
-    Under torchrun each process takes the GPU that `distributed.init_from_env` made current."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    use_bf16 = device.type == "cuda" if bf16 == "auto" else bool(bf16)
-    return device, torch.bfloat16 if use_bf16 else torch.float32
+    """The model host's default (the Tinker client and `gym serve`): `choose_precision`'s, except that `auto`
+    keeps a CPU in fp32 for now. Their tests check against fp32 references at fp32 tolerances; moving them to
+    bf16 on a CPU with native bf16, with those tests pinned to fp32, is the rest of issue 16."""
+    if bf16 == "auto" and not torch.cuda.is_available():
+        return torch.device("cpu"), torch.float32
+    precision = choose_precision(bf16)
+    return precision.device, precision.dtype
 
 
 def cache_root() -> Path:

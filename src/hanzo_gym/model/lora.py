@@ -44,11 +44,23 @@ def attach_lora(
         with warnings.catch_warnings():
             # peft 0.21 calls a transformers 5 method that was renamed; nothing for the user to change.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            peft_model = get_peft_model(model, config)
+            # autocast_adapter_dtype: on a bf16 (or fp16) base the adapter is made fp32, and peft's LoRA layers
+            # cast their input to it (the mixed recipe: frozen base in bf16, adapter and AdamW state in fp32).
+            peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:
         raise ModelError(f"cannot attach LoRA to {model.config.model_type}: {exc}") from None
+    keep_adapter_fp32(peft_model)
     peft_model.peft_config["default"].base_model_name_or_path = base_model_name
     return peft_model
+
+
+def keep_adapter_fp32(model: torch.nn.Module) -> None:
+    """Every trainable (adapter) parameter in fp32, whatever the base's dtype: a bf16 adapter would round each
+    small update away (bf16 keeps 8 significant bits) and AdamW's moments, made like the parameters, with it."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != torch.float32:
+                parameter.data = parameter.data.float()
 
 
 def _check_rank_fits(model: torch.nn.Module, r: int, target_modules: list[str], base_model_name: str) -> None:

@@ -28,6 +28,8 @@ from hanzo_gym.serve.protocol import (
     parse_unload_adapter,
 )
 from hanzo_gym.serve.responses import model_card, model_list
+from hanzo_gym.serve.tinker_api import PREFIX as TINKER_PREFIX
+from hanzo_gym.serve.tinker_api import TinkerAPI
 
 MAX_BODY = 16 * 1024 * 1024
 POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -39,6 +41,7 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 128
     models: ServedModels
     verbose: bool
+    tinker: TinkerAPI | None = None  # with `gym serve --tinker`: Tinker's /api/v1/* beside OpenAI's /v1/*
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if self.verbose:
@@ -70,6 +73,10 @@ class _Handler(BaseHTTPRequestHandler):
     # -- routing ---------------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
         self._body_read = False
+        path = urlsplit(self.path).path
+        if self.server.tinker is not None and path.startswith(TINKER_PREFIX):
+            self._tinker(path)
+            return
         try:
             result = self._route(urlsplit(self.path).path.rstrip("/") or "/")
         except APIError as error:
@@ -114,6 +121,53 @@ class _Handler(BaseHTTPRequestHandler):
         name = parse_unload_adapter(body)
         models.unload(name)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _tinker(self, path: str) -> None:
+        """A Tinker SDK request: the body as bytes (protobuf or JSON) to the Tinker API, its reply back."""
+        try:
+            body = self._read_body()
+        except APIError as error:
+            self._send_json(error.status, {"error": error.message, "category": "user"})
+            return
+        reply = self.server.tinker.handle(self.command, path, self.headers, body)
+        self._send(reply.status, reply.body, reply.content_type)
+
+    def _read_body(self) -> bytes:
+        """The request body, sent with a Content-Length or chunked (at most MAX_BODY bytes either way)."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            parts, size = [], 0
+            while True:
+                line = self.rfile.readline(1024)
+                try:
+                    length = int(line.split(b";")[0].strip() or b"x", 16)
+                except ValueError:
+                    self.close_connection = True
+                    raise APIError("bad chunked body", code="invalid_body") from None
+                if length == 0:
+                    while self.rfile.readline(1024).strip():  # trailers
+                        pass
+                    break
+                size += length
+                if size > MAX_BODY:
+                    self.close_connection = True
+                    raise APIError(f"the body is over {MAX_BODY} bytes", 413, code="body_too_large")
+                parts.append(self.rfile.read(length))
+                self.rfile.readline(1024)
+            self._body_read = True
+            return b"".join(parts)
+        header = self.headers.get("Content-Length") or "0"
+        try:
+            length = int(header)
+        except ValueError:
+            raise APIError(f"bad Content-Length {header!r}", code="invalid_body") from None
+        if not 0 <= length <= MAX_BODY:
+            raise APIError(f"the body is over {MAX_BODY} bytes", 413, code="body_too_large")
+        data = self.rfile.read(length)
+        self._body_read = True
+        if len(data) < length:
+            self.close_connection = True
+            raise APIError("the body ended before its Content-Length", code="invalid_body")
+        return data
 
     def _client_gone(self) -> bool:
         """Whether the client hung up: its socket reads as closed. Bytes waiting (a pipelined request) are not
@@ -229,9 +283,15 @@ class Server:
     (what tests do), `serve_forever()` on this one; `stop()` ends it."""
 
     def __init__(
-        self, models: ServedModels, bind: str = "127.0.0.1", port: int = 8000, verbose: bool = False
+        self,
+        models: ServedModels,
+        bind: str = "127.0.0.1",
+        port: int = 8000,
+        verbose: bool = False,
+        tinker: TinkerAPI | None = None,
     ):
         self.models = models
+        self.tinker = tinker
         server_class = _IPv6HTTPServer if ":" in bind else _HTTPServer
         try:
             self.httpd = server_class((bind, port), _Handler)
@@ -239,6 +299,7 @@ class Server:
             raise GymError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}") from None
         self.httpd.models = models
         self.httpd.verbose = verbose
+        self.httpd.tinker = tinker
         self.bind = bind
         self._thread: threading.Thread | None = None
 
@@ -251,8 +312,16 @@ class Server:
         host = f"[{self.bind}]" if ":" in self.bind else self.bind
         return f"http://{host}:{self.port}/v1"
 
+    @property
+    def base_url(self) -> str:
+        """What the Tinker SDK takes as base_url (TINKER_BASE_URL)."""
+        return self.url.removesuffix("/v1")
+
     def banner(self) -> str:
-        return f"serving {', '.join(self.models.names())} on {self.url}"
+        text = f"serving {', '.join(self.models.names())} on {self.url}"
+        if self.tinker is not None:
+            text += f"; Tinker API on {self.base_url} (TINKER_BASE_URL={self.base_url} TINKER_API_KEY=tml-local)"
+        return text
 
     def start(self) -> Self:
         if self._thread is not None:
@@ -270,6 +339,8 @@ class Server:
             self._thread.join()
             self._thread = None
         self.httpd.server_close()
+        if self.tinker is not None:
+            self.tinker.close()
 
     def __enter__(self) -> Self:
         return self.start()
@@ -287,13 +358,15 @@ def serve(
     name: str | None = None,
     verbose: bool = False,
     limits: dict[str, int] | None = None,
+    tinker: bool = False,
 ) -> None:
-    """Serve `host`'s base model and `adapters` (name → PEFT folder or gym:// path) until interrupted."""
+    """Serve `host`'s base model and `adapters` (name → PEFT folder or gym:// path) until interrupted; with
+    `tinker`, Tinker's training and sampling API too (checkpoints under $HANZO_GYM_RUNS)."""
     try:
         models = ServedModels(host, adapters, renderer=renderer, name=name, **(limits or {}))
     except APIError as error:
         raise GymError(error.message) from None
-    server = Server(models, bind, port, verbose)
+    server = Server(models, bind, port, verbose, tinker_api(models) if tinker else None)
     print(server.banner(), flush=True)
     try:
         server.serve_forever()
@@ -324,6 +397,7 @@ def run_serve(
     verbose: bool = False,
     default_max_tokens: int | None = None,
     max_request_tokens: int | None = None,
+    tinker: bool = False,
 ) -> None:
     """`gym serve`: load the base model once, then serve it with its adapters."""
     adapters = parse_adapter_specs(adapter_specs)
@@ -334,4 +408,18 @@ def run_serve(
         if value is not None and value < 1:
             raise GymError(f"--{key.replace('_', '-')} {value}: use a positive number of tokens")
     limits = {key: value for key, value in limits.items() if value is not None}
-    serve(ModelHost(model), adapters, bind, port, renderer, name, verbose, limits)
+    if tinker:
+        from hanzo_gym.serve.tinker_wire import proto
+
+        proto()  # before the model loads: a missing SDK fails in a moment
+    serve(ModelHost(model), adapters, bind, port, renderer, name, verbose, limits, tinker)
+
+
+def tinker_api(models: ServedModels, root: str | None = None, **options: Any) -> TinkerAPI:
+    """Tinker's API over `models`' base model (one copy in memory, shared with the OpenAI endpoints): training
+    clients add adapters to it, and it answers to the served name as well as to its path."""
+    from hanzo_gym.tinker.service_client import ServiceClient
+
+    service = ServiceClient(root=root)
+    service.serve_host(models.host, models.batcher)
+    return TinkerAPI(service, {models.name: models.host.base_model}, **options)

@@ -26,6 +26,10 @@ class APIFuture(Generic[T]):
     def done(self) -> bool:
         return self._future.done()
 
+    def future(self) -> concurrent.futures.Future:
+        """The underlying concurrent future (what the HTTP server waits on)."""
+        return self._future
+
     def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
 

@@ -122,6 +122,12 @@ class ServiceClient:
             host.set_weights(name, weights)
         return self._sampling_client(host, name, owns_adapter=True)
 
+    def serve_host(self, host: ModelHost, batcher: SampleBatcher) -> None:
+        """Train and sample on a base model already loaded (gym serve shares one between its OpenAI and
+        Tinker endpoints): clients asking for `host.base_model` get adapters on `host`, sampled by `batcher`."""
+        with self._lock:
+            self._hosts[model_key(host.base_model)] = (host, batcher)
+
     # -- async twins ---------------------------------------------------------------------------------------
     async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
         return self.get_server_capabilities()

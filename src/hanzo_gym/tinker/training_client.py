@@ -120,7 +120,12 @@ class TrainingClient:
         self, name: str | None = None, retry_config: Any = None
     ) -> SamplingClient:
         """A sampling client over a snapshot of the current weights (after every call submitted before)."""
-        return self._submit(self._snapshot).result()
+        return self.sampling_snapshot().result()
+
+    def sampling_snapshot(self) -> APIFuture[SamplingClient]:
+        """What save_weights_and_get_sampling_client waits for: a future of the sampling client, taken in
+        submission order (after every call submitted before, before every call submitted after)."""
+        return self._submit(self._snapshot)
 
     def create_sampling_client(self, model_path: str, retry_config: Any = None) -> SamplingClient:
         return self._open_sampler(model_path)
@@ -173,7 +178,7 @@ class TrainingClient:
         return self.save_weights_for_sampler(*args, **kwargs)
 
     async def save_weights_and_get_sampling_client_async(self, *args: Any, **kwargs: Any) -> SamplingClient:
-        return await self._submit(self._snapshot)
+        return await self.sampling_snapshot()
 
     async def get_info_async(self) -> GetInfoResponse:
         return self.get_info()
@@ -243,10 +248,15 @@ class TrainingClient:
         ]
         with self._host.using(self._adapter):
             out = self._engine.forward_backward(weighted, "cross_entropy")
+        # As the SDK reports it: `loss:sum` is the custom loss, the weighted cross-entropy is its surrogate.
         return ForwardBackwardOutput(
             "cross_entropy",
             logprobs_output(out.logprobs),
-            {"loss:sum": out.loss_sum, **{k: float(v) for k, v in metrics.items()}},
+            {
+                **{k: float(v) for k, v in metrics.items()},
+                "loss:sum": float(loss.detach().sum()),
+                "surrogate_loss:sum": out.loss_sum,
+            },
         )
 
     def _save(self, path: str, with_optimizer: bool, overwrite: bool, response: type) -> Any:

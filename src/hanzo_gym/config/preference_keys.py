@@ -1,0 +1,111 @@
+"""The config keys of preference training (`rl: dpo | ipo | orpo | simpo | kto`), with Axolotl's names and TRL's
+defaults, and the dataset types each `rl` reads. `Config` inherits the keys; its cross-key rules call
+`check_preference_keys`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+PAIR_METHODS = ("dpo", "ipo", "orpo", "simpo")
+PREFERENCE_METHODS = (*PAIR_METHODS, "kto")
+
+_STRING_VARIANTS = ("default", "argilla_chat", "icr", "intel", "prompt_pairs", "ultra")
+_KTO_VARIANTS = ("argilla", "argilla_chat", "intel", "prompt_pairs", "ultra")
+# Dataset types of chosen/rejected pairs: Axolotl's string formats (chatml.*, llama3.*), its chat-template
+# formats, and `passthrough` (rows already in TRL's prompt / chosen / rejected shape).
+PAIR_TYPES = (
+    *(f"{family}.{variant}" for family in ("chatml", "llama3") for variant in _STRING_VARIANTS),
+    "chat_template.default",
+    "chat_template.argilla_chat",
+    "chat_template.argilla",
+    "passthrough",
+)
+# Dataset types of KTO's unpaired examples (prompt, completion, label).
+KTO_TYPES = (
+    *(f"{family}.{variant}" for family in ("chatml", "llama3") for variant in _KTO_VARIANTS),
+    "passthrough",
+)
+
+
+class PreferenceKeys(BaseModel):
+    rl_beta: float | None = Field(None, gt=0)  # β of DPO / IPO / KTO / SimPO (TRL's default 0.1)
+    dpo_beta: float | None = Field(None, gt=0)  # Axolotl's deprecated name of rl_beta
+    dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # ε of conservative DPO
+    dpo_loss_type: list[Literal["sigmoid", "ipo", "sft"]] | None = None
+    dpo_loss_weights: list[float] | None = None
+    rpo_alpha: float | None = Field(None, ge=0)  # weight of the chosen NLL added to DPO (RPO)
+    precompute_ref_log_probs: bool = False
+    orpo_alpha: float | None = Field(None, gt=0)  # λ of ORPO (TRL's ORPO `beta`, default 0.1)
+    simpo_gamma: float = Field(0.5, ge=0)
+    cpo_alpha: float = Field(1.0, ge=0)  # weight of the chosen NLL in SimPO (TRL's CPOConfig default)
+    kto_desirable_weight: float = Field(1.0, gt=0)
+    kto_undesirable_weight: float = Field(1.0, gt=0)
+
+    @property
+    def preference_beta(self) -> float:
+        """β as Axolotl hands it to TRL: rl_beta (or its old name dpo_beta), for ORPO orpo_alpha; else 0.1."""
+        for value in (self.rl_beta, self.dpo_beta, self.orpo_alpha if self.rl == "orpo" else None):
+            if value is not None:
+                return value
+        return 0.1
+
+    @property
+    def dpo_terms(self) -> dict[str, float]:
+        """The DPO loss as TRL's weighted list of terms: `sigmoid` or `ipo`, plus `sft` (RPO's chosen NLL)."""
+        types = self.dpo_loss_type or (["ipo"] if self.rl == "ipo" else ["sigmoid"])
+        weights = self.dpo_loss_weights or [1.0] * len(types)
+        terms = dict(zip(types, weights))
+        if self.rpo_alpha is not None:
+            terms["sft"] = self.rpo_alpha
+        return terms
+
+
+def check_preference_keys(cfg) -> None:
+    """Cross-key rules of preference training; ValueError with the sentence to show."""
+    method = cfg.rl
+    if method not in PREFERENCE_METHODS:
+        used = [key for key in _SET_ONLY_FOR_PREFERENCE if getattr(cfg, key) is not None]
+        if used:
+            raise ValueError(
+                f"`{used[0]}` is a preference-training key; it needs `rl: dpo` (or ipo, orpo, …)"
+            )
+        for ds in cfg.datasets:
+            if ds.type in PAIR_TYPES or ds.type in KTO_TYPES:
+                raise ValueError(
+                    f"datasets type `{ds.type}` holds preference data; it needs `rl: dpo` (or ipo, orpo, simpo, kto)"
+                )
+        return
+    if cfg.sample_packing:
+        raise ValueError(f"rl: {method} does not pack samples (chosen and rejected are scored as a pair)")
+    if method == "kto" and cfg.micro_batch_size < 2:
+        raise ValueError(
+            "rl: kto needs micro_batch_size ≥ 2: its KL term pairs each prompt with another example's completion "
+            "of the same micro-batch"
+        )
+    if cfg.rl_beta is not None and cfg.dpo_beta is not None and cfg.rl_beta != cfg.dpo_beta:
+        raise ValueError("rl_beta and dpo_beta (its old name) disagree; give rl_beta only")
+    allowed = KTO_TYPES if method == "kto" else PAIR_TYPES
+    for ds in cfg.datasets:
+        if ds.type not in allowed:
+            raise ValueError(f"rl: {method} reads datasets of type {', '.join(allowed)}; got `{ds.type}`")
+    if cfg.dpo_loss_type is not None or cfg.dpo_loss_weights is not None:
+        if method != "dpo":
+            raise ValueError(f"dpo_loss_type / dpo_loss_weights apply to rl: dpo, not rl: {method}")
+        types = cfg.dpo_loss_type or []
+        if len([t for t in types if t != "sft"]) != 1 or len(set(types)) != len(types):
+            raise ValueError(
+                "dpo_loss_type is one of sigmoid or ipo, optionally with sft (e.g. [sigmoid, sft])"
+            )
+        if cfg.dpo_loss_weights is not None and len(cfg.dpo_loss_weights) != len(types):
+            raise ValueError("dpo_loss_weights needs one weight per dpo_loss_type entry")
+        if "sft" in types and cfg.rpo_alpha is not None:
+            raise ValueError("rpo_alpha and dpo_loss_type `sft` both weight the chosen NLL; give one of them")
+    if cfg.dpo_label_smoothing and method != "dpo":
+        raise ValueError(f"dpo_label_smoothing applies to rl: dpo (sigmoid), not rl: {method}")
+    if cfg.dpo_label_smoothing and "ipo" in cfg.dpo_terms:
+        raise ValueError("dpo_label_smoothing does not apply to the ipo loss")
+
+
+_SET_ONLY_FOR_PREFERENCE = ("dpo_beta", "rpo_alpha", "orpo_alpha", "dpo_loss_type", "dpo_loss_weights")

@@ -1,0 +1,745 @@
+"""Tinker's HTTP API (`/api/v1/*`, what the official `tinker` SDK speaks) over the in-process Tinker clients.
+
+Each endpoint maps onto one operation of `hanzo_gym.tinker` (ServiceClient, TrainingClient, SamplingClient),
+so a script gets the same numbers in-process and through the SDK. The transport is not here: `handle()` takes
+a method, path, headers and body and returns a `Reply`, and `serve.server` wires it into `gym serve --tinker`.
+
+The protocol's rules, as the SDK 0.38 expects them (`shared/reference/tinker-wire-protocol.md`):
+- Work is submitted (`{"request_id"}` at once) and fetched with `retrieve_future`, which holds the poll until
+  the result is there or LONG_POLL_SECONDS pass (then `try_again`), under the SDK's 45 s read timeout.
+- A failure is `{"error", "category"}`: `user` for anything the request got wrong (GymError), `server` for a
+  bug. Never a 5xx or a bare 400 for a user mistake: the SDK retries those for minutes.
+- A submit resent with the same `(model_id, seq_id)` (the SDK retries timeouts) gets the first submit's
+  request id and runs once. A training client's requests run one at a time in `seq_id` order: one that comes
+  early waits for those before it (at most SEQ_GAP_SECONDS). `client/config` also sets
+  `parallel_fwdbwd_chunks=false`, so the SDK sends them in that order anyway.
+- Model ids are `{session_id}:train:{model_seq_id}` (the SDK derives them itself on create-via-load).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import unquote
+
+import hanzo_gym.serve.tinker_wire as wire
+from hanzo_gym.errors import GymError
+from hanzo_gym.model.hub import model_key
+from hanzo_gym.records import AdamParams, ModelInput
+from hanzo_gym.serve.tinker_wire import WireError
+from hanzo_gym.tinker.sampling_client import SamplingClient
+from hanzo_gym.tinker.service_client import ServiceClient
+from hanzo_gym.tinker.training_client import TrainingClient
+
+PREFIX = "/api/v1/"
+LONG_POLL_SECONDS = 30.0  # a retrieve_future waits this long before `try_again` (the SDK gives up at 45)
+FUTURE_TTL_SECONDS = 900.0  # a result nobody fetched is dropped this long after its submit
+DELIVERED_TTL_SECONDS = 60.0  # a fetched result is kept this long, for a re-poll after a lost reply
+MAX_SNAPSHOTS_PER_MODEL = 8  # save_weights_and_get_sampling_client sessions kept per training model
+SEQ_GAP_SECONDS = 60.0  # a request that came early waits this long for the seq_ids before it, then runs
+PROTO = "application/x-protobuf"
+JSON = "application/json"
+# Losses of the hosted service whose semantics are not public: refused by name, never silently replaced.
+HOSTED_ONLY_LOSSES = ("stable_reinforce", "gspo", "custom")
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    content_type: str = JSON
+
+    @classmethod
+    def json(cls, value: Any, status: int = 200) -> Reply:
+        return cls(status, json.dumps(value).encode())
+
+
+class DirectError(GymError):
+    """A user error on an endpoint answered directly (not through a future): sent with `status`."""
+
+    def __init__(self, message: str, status: int = 422):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Base:
+    name: str  # what clients call it (the first served name)
+    key: str  # model_key of the base model: how the in-process ServiceClient knows it
+    tokenizer_id: str  # what get_info tells the SDK to load: the model's folder when it has one
+
+
+@dataclass
+class _Trained:
+    client: TrainingClient
+    base: _Base
+    snapshots: list[str] = field(default_factory=list)  # sampling sessions made from it, oldest first
+    next_seq: int = 1  # the SDK numbers a training client's requests 1, 2, …: the one that may start now
+    held: dict[int, tuple[Callable[[], concurrent.futures.Future], concurrent.futures.Future, float]] = field(
+        default_factory=dict
+    )  # seq_id → (start, the future the client polls, when it came): requests that came before their turn
+
+
+@dataclass
+class _Sampler:
+    client: SamplingClient
+    base: _Base
+    model_path: str | None  # tinker:// path it was made from, if any
+
+
+@dataclass
+class _Pending:
+    future: concurrent.futures.Future
+    encode: Callable[[Any], Reply]
+    created: float = field(default_factory=time.monotonic)
+    reply: Reply | None = None
+    delivered: float | None = None  # when the result was first sent
+
+
+class TinkerAPI:
+    """`service` does the work; `names` maps each name a client may use as `base_model` to the base model
+    (as `service` loads it). The base model's own path and hub id are accepted too."""
+
+    def __init__(
+        self,
+        service: ServiceClient,
+        names: Mapping[str, str],
+        long_poll_seconds: float = LONG_POLL_SECONDS,
+    ):
+        self.service = service
+        self.long_poll_seconds = long_poll_seconds
+        self._bases: dict[str, _Base] = {}  # by every accepted name
+        for name, base_model in names.items():
+            key = model_key(base_model)
+            base = next((b for b in self._bases.values() if b.key == key), None) or _Base(
+                name, key, _tokenizer_id(base_model)
+            )
+            for alias in (name, base_model, key):
+                self._bases.setdefault(alias, base)
+        self._lock = threading.Lock()
+        self._sessions: dict[str, float] = {}
+        self._training: dict[str, _Trained] = {}
+        self._sampling: dict[str, _Sampler] = {}
+        self._futures: dict[str, _Pending] = {}
+        self._submits: dict[tuple, dict[str, Any]] = {}  # dedup key → the submit's reply
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tinker-api")
+
+    def served_names(self) -> list[str]:
+        return sorted({base.name for base in self._bases.values()})
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- dispatch ------------------------------------------------------------------------------------------
+    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
+        """The reply to one request; never raises."""
+        endpoint = path[len(PREFIX) :].strip("/") if path.startswith(PREFIX) else path
+        try:
+            if method == "GET":
+                return self._get(endpoint)
+            if method != "POST":
+                raise DirectError(f"{path} takes POST or GET, not {method}", 405)
+            if endpoint == "forward_backward":
+                return self._submit_reply(lambda: self._forward_backward(body, headers))
+            if endpoint.startswith("sessions/") and endpoint.endswith("/finish"):
+                return Reply.json({})
+            handler = self._POSTS.get(endpoint)
+            if handler is None:
+                raise DirectError(f"no such endpoint: POST {path}", 404)
+            request = _json_object(body)
+            if endpoint in self._SUBMITS:
+                return self._submit_reply(lambda: handler(self, request))
+            result = handler(self, request)
+            return result if isinstance(result, Reply) else Reply.json(result)
+        except GymError as exc:
+            status = exc.status if isinstance(exc, DirectError) else 422
+            return Reply.json({"error": str(exc), "category": "user", "detail": str(exc)}, status)
+        except Exception as exc:  # noqa: BLE001 - a bug answers once; the server keeps serving
+            traceback.print_exc(file=sys.stderr)
+            return Reply.json({"error": f"internal error: {exc}", "category": "server"}, 500)
+
+    def _get(self, endpoint: str) -> Reply:
+        if endpoint == "healthz":
+            return Reply.json({"status": "ok"})
+        if endpoint == "get_server_capabilities":
+            models = [
+                {"model_name": name, "trainable": True, "sampleable": True} for name in self.served_names()
+            ]
+            return Reply.json({"supported_models": models})
+        if endpoint.startswith("samplers/"):
+            session_id = unquote(endpoint[len("samplers/") :])
+            sampler = self._sampler(session_id, lambda message: DirectError(message, 404))
+            return Reply.json(
+                {"sampler_id": session_id, "base_model": sampler.base.name, "model_path": sampler.model_path}
+            )
+        raise DirectError(f"no such endpoint: GET {PREFIX}{endpoint}", 404)
+
+    # -- direct endpoints ----------------------------------------------------------------------------------
+    def _client_config(self, _: dict) -> dict:
+        # One chunk's POST at a time per training client: requests arrive in seq_id order.
+        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": False, "proto_compress_fwdbwd": False}
+
+    def _dynamic_config(self, _: dict) -> dict:
+        return {"refresh_interval_sec": 300}
+
+    def _create_session(self, request: dict) -> dict:
+        session_id = f"session-{uuid.uuid4().hex[:12]}"
+        with self._lock:
+            self._sessions[session_id] = time.time()
+        return {"type": "create_session", "session_id": session_id}
+
+    def _heartbeat(self, _: dict) -> dict:
+        return {"type": "session_heartbeat"}
+
+    def _telemetry(self, _: dict) -> dict:
+        return {"status": "accepted"}
+
+    def _get_info(self, request: dict) -> dict:
+        model_id = _field(request, "model_id", str)
+        trained = self._trained(model_id, lambda message: DirectError(message, 404))
+        info = trained.client.get_info()
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_data": {
+                "arch": info.model_data.arch,
+                "model_name": trained.base.name,
+                "tokenizer_id": trained.base.tokenizer_id,
+            },
+            "is_lora": True,
+            "lora_rank": info.lora_rank,
+            "model_name": trained.base.name,
+            "optimizer_config": {"type": "adamw"},
+        }
+
+    def _create_sampling_session(self, request: dict) -> dict:
+        session_id = _field(request, "session_id", str)
+        seq_id = _field(request, "sampling_session_seq_id", int)
+        sampling_session_id = f"{session_id}:sample:{seq_id}"
+        with self._lock:
+            if sampling_session_id in self._sampling:  # a resent request
+                return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
+        model_path = request.get("model_path")
+        base_model = request.get("base_model")
+        if model_path is None and base_model is None:
+            raise DirectError("create_sampling_session needs model_path (a tinker:// path) or base_model")
+        base = self._base(base_model) if base_model is not None else None
+        if model_path is not None:
+            client = self.service.create_sampling_client(
+                model_path=wire.to_gym_path(str(model_path)), base_model=base.key if base else None
+            )
+            base = base or self._base_of(client.get_base_model())
+        else:
+            client = self.service.create_sampling_client(base_model=base.key)
+        with self._lock:
+            self._sampling[sampling_session_id] = _Sampler(client, base, model_path)
+        return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
+
+    # -- submitted work ------------------------------------------------------------------------------------
+    def _submit_reply(self, submit: Callable[[], dict]) -> Reply:
+        """A submit's `{"request_id", …}`; a request it cannot take becomes a future that fails with its
+        error, which the SDK reports as RequestFailedError (a user error for a GymError)."""
+        try:
+            return Reply.json(submit())
+        except Exception as exc:  # noqa: BLE001 - the client reads it from the future
+            if not isinstance(exc, GymError):
+                traceback.print_exc(file=sys.stderr)
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(exc)
+            with self._lock:
+                return Reply.json(self._register(None, failed, _json_reply))
+
+    def _register(
+        self,
+        key: tuple | None,
+        future: concurrent.futures.Future,
+        encode: Callable[[Any], Reply],
+        extra: Callable[[str], dict] | None = None,
+    ) -> dict:
+        """Under the lock when `key` is given (the caller checked it is new)."""
+        request_id = f"req-{uuid.uuid4().hex}"
+        reply = {"request_id": request_id, **(extra(request_id) if extra else {})}
+        self._futures[request_id] = _Pending(future, encode)
+        if key is not None:
+            self._submits[key] = reply
+        self._expire()
+        return reply
+
+    def _once(
+        self,
+        key: tuple,
+        start: Callable[[], concurrent.futures.Future],
+        encode: Callable[[Any], Reply],
+        extra: Callable[[str], dict] | None = None,
+    ) -> dict:
+        """Start the work unless a submit with this key already did; either way, that submit's reply. A key
+        ending in None (a request without a seq_id) is never a resend. Holding the lock while starting keeps
+        arrival order as execution order."""
+        with self._lock:
+            if key[-1] is None:
+                return self._register(None, start(), encode, extra)
+            if key in self._submits:
+                return self._submits[key]
+            return self._register(key, start(), encode, extra)
+
+    def _in_order(
+        self,
+        trained: _Trained,
+        model_id: str,
+        seq_id: Any,
+        start: Callable[[], concurrent.futures.Future],
+        encode: Callable[[Any], Reply],
+    ) -> dict:
+        """A training client's request, run in seq_id order: one that comes before its turn waits (its future
+        is a placeholder) until the ones before it came, or SEQ_GAP_SECONDS passed. Its checks run in `start`,
+        at its turn, so a refused request still takes its place in the order."""
+
+        def ordered() -> concurrent.futures.Future:  # under the lock
+            if not isinstance(seq_id, int) or seq_id < trained.next_seq:
+                return start()  # no seq_id, or later than its turn: nothing to wait for
+            if seq_id > trained.next_seq:
+                placeholder: concurrent.futures.Future = concurrent.futures.Future()
+                trained.held[seq_id] = (start, placeholder, time.monotonic())
+                return placeholder
+            try:
+                return start()
+            finally:
+                trained.next_seq += 1
+                self._release(trained)
+
+        return self._once(("train", model_id, seq_id), ordered, encode)
+
+    def _release(self, trained: _Trained, now: float | None = None) -> None:
+        """Start the held requests whose turn has come (under the lock); with `now`, give up on a gap older
+        than SEQ_GAP_SECONDS."""
+        while trained.held:
+            if trained.next_seq in trained.held:
+                start, placeholder, _ = trained.held.pop(trained.next_seq)
+                trained.next_seq += 1
+                _start_into(start, placeholder)
+            elif now is not None and now - trained.held[min(trained.held)][2] > SEQ_GAP_SECONDS:
+                trained.next_seq = min(trained.held)  # the missing requests never came
+            else:
+                return
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        old = [
+            rid
+            for rid, p in self._futures.items()
+            if p.future.done()
+            and (now - p.created > FUTURE_TTL_SECONDS or now - (p.delivered or now) > DELIVERED_TTL_SECONDS)
+        ]
+        for request_id in old:
+            del self._futures[request_id]
+        if old:
+            gone = set(old)
+            self._submits = {k: v for k, v in self._submits.items() if v["request_id"] not in gone}
+
+    def _retrieve_future(self, request: dict) -> Reply:
+        request_id = _field(request, "request_id", str)
+        with self._lock:
+            pending = self._futures.get(request_id)
+            now = time.monotonic()
+            for trained in self._training.values():
+                if trained.held:
+                    self._release(trained, now)
+        if pending is None:
+            return Reply.json(
+                {
+                    "error": f"unknown request id {request_id!r} (expired, or from before a restart)",
+                    "category": "user",
+                }
+            )
+        if pending.reply is None:
+            future = pending.future
+            if not concurrent.futures.wait([future], timeout=self.long_poll_seconds).done:
+                return Reply.json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            if future.cancelled():
+                pending.reply = Reply.json(
+                    {"error": "cancelled: the server is shutting down", "category": "server"}
+                )
+            elif future.exception() is not None:  # the request's own failure, sent as its result
+                pending.reply = _failure(future.exception())
+            else:
+                try:
+                    pending.reply = pending.encode(future.result())
+                except Exception as exc:  # noqa: BLE001
+                    pending.reply = _failure(exc)
+        pending.delivered = pending.delivered or time.monotonic()
+        return pending.reply
+
+    def _create_model(self, request: dict) -> dict:
+        session_id = _field(request, "session_id", str)
+        seq_id = _field(request, "model_seq_id", int)
+        base = self._base(_field(request, "base_model", str))
+        lora = request.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise WireError("lora_config must be an object")
+        _check_optimizer(request.get("optimizer_config"))
+        model_id = f"{session_id}:train:{seq_id}"
+
+        def create() -> dict:
+            client = self.service.create_lora_training_client(
+                base.key,
+                rank=int(lora.get("rank", 32)),
+                seed=lora.get("seed"),
+                train_mlp=bool(lora.get("train_mlp", True)),
+                train_attn=bool(lora.get("train_attn", True)),
+                train_unembed=bool(lora.get("train_unembed", True)),
+            )
+            with self._lock:
+                self._training[model_id] = _Trained(client, base)
+            return {"type": "create_model", "model_id": model_id}
+
+        return self._once(("create_model", model_id), lambda: self._executor.submit(create), _json_reply)
+
+    def _forward_backward(self, body: bytes, headers: Mapping[str, str]) -> dict:
+        call = wire.decode_forward_backward(body, headers.get("Content-Encoding", "") or "")
+        trained = self._trained(call.model_id)
+
+        def start() -> concurrent.futures.Future:
+            _check_loss(call.loss_fn)
+            run = trained.client.forward if call.forward_only else trained.client.forward_backward
+            return run(call.data, call.loss_fn, call.loss_fn_config).future()
+
+        def encode(output: Any) -> Reply:
+            body = wire.encode_forward_backward_output(output.loss_fn_outputs, output.metrics)
+            return Reply(200, body, PROTO)
+
+        return self._in_order(trained, call.model_id, call.seq_id, start, encode)
+
+    def _optim_step(self, request: dict) -> dict:
+        model_id = _field(request, "model_id", str)
+        trained = self._trained(model_id)
+
+        def start() -> concurrent.futures.Future:
+            params = request.get("adam_params", request.get("optim_params"))
+            if params is None:
+                kind = (request.get("optimizer_params") or {}).get("type", "?")
+                raise WireError(f"optimizer {kind!r} is not supported: this server steps AdamW (adam_params)")
+            return trained.client.optim_step(_adam(params)).future()
+
+        def encode(response: Any) -> Reply:
+            return Reply.json(
+                {"type": "optim_step", "metrics": {k: float(v) for k, v in (response.metrics or {}).items()}}
+            )
+
+        return self._in_order(trained, model_id, request.get("seq_id"), start, encode)
+
+    def _save_weights(self, request: dict) -> dict:
+        model_id = _field(request, "model_id", str)
+        trained = self._trained(model_id)
+        seq_id = request.get("seq_id")
+        name = request.get("path") or f"{seq_id or 0:06d}"
+        overwrite = bool(request.get("overwrite", False))
+
+        def encode(response: Any) -> Reply:
+            return Reply.json({"type": "save_weights", "path": wire.to_tinker_path(response.path)})
+
+        return self._in_order(
+            trained,
+            model_id,
+            seq_id,
+            lambda: trained.client.save_state(str(name), overwrite=overwrite).future(),
+            encode,
+        )
+
+    def _save_weights_for_sampler(self, request: dict) -> dict:
+        model_id = _field(request, "model_id", str)
+        trained = self._trained(model_id)
+        seq_id = request.get("seq_id")
+        name = request.get("path")
+        if name is not None:
+
+            def encode_path(response: Any) -> Reply:
+                return Reply.json(
+                    {"type": "save_weights_for_sampler", "path": wire.to_tinker_path(response.path)}
+                )
+
+            return self._in_order(
+                trained,
+                model_id,
+                seq_id,
+                lambda: trained.client.save_weights_for_sampler(str(name)).future(),
+                encode_path,
+            )
+        # The sampling-session form (save_weights_and_get_sampling_client): a snapshot, no files. "inflight"
+        # promises the weights of the save or newer ones, which a snapshot keeps.
+        sampling_seq_id = request.get("sampling_session_seq_id")
+        session_id = model_id.split(":train:")[0]
+        sampling_session_id = f"{session_id}:sample:{sampling_seq_id}"
+
+        def snapshot() -> concurrent.futures.Future:
+            _field(request, "sampling_session_seq_id", int)
+            return trained.client.sampling_snapshot().future()
+
+        def register(client: SamplingClient) -> Reply:
+            with self._lock:
+                if sampling_session_id not in self._sampling:
+                    self._sampling[sampling_session_id] = _Sampler(client, trained.base, None)
+                    trained.snapshots.append(sampling_session_id)
+                    while len(trained.snapshots) > MAX_SNAPSHOTS_PER_MODEL:
+                        self._sampling.pop(trained.snapshots.pop(0), None)
+            return Reply.json(
+                {"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id}
+            )
+
+        return self._in_order(trained, model_id, seq_id, snapshot, register)
+
+    def _load_weights(self, request: dict) -> dict:
+        with_optimizer = bool(request.get("optimizer", False))
+        model_id = request.get("model_id")
+        if model_id is not None:  # legacy addressing: load into an existing training client
+            trained = self._trained(str(model_id))
+
+            def load() -> concurrent.futures.Future:
+                path = wire.to_gym_path(_field(request, "path", str))
+                client = trained.client
+                return (client.load_state_with_optimizer if with_optimizer else client.load_state)(
+                    path
+                ).future()
+
+            def encode_legacy(response: Any) -> Reply:
+                return Reply.json(
+                    {"type": "load_weights", "path": wire.to_tinker_path(response.path), "model_id": model_id}
+                )
+
+            return self._in_order(trained, str(model_id), request.get("seq_id"), load, encode_legacy)
+        # Create-via-load: a new training client from a checkpoint, under the id the SDK derives itself.
+        path = wire.to_gym_path(_field(request, "path", str))
+        session_id = _field(request, "session_id", str)
+        seq_id = _field(request, "model_seq_id", int)
+        base = self._base(request["base_model"]) if request.get("base_model") else None
+        if not with_optimizer:
+            _check_optimizer(request.get("optimizer_config"))
+        new_id = f"{session_id}:train:{seq_id}"
+
+        def create() -> dict:
+            make = (
+                self.service.create_training_client_from_state_with_optimizer
+                if with_optimizer
+                else self.service.create_training_client_from_state
+            )
+            client = make(path, base_model=base.key if base else None)
+            trained = _Trained(client, base or self._base_of(client.get_info().model_name))
+            with self._lock:
+                self._training[new_id] = trained
+            return {"type": "load_weights", "path": wire.to_tinker_path(path), "model_id": new_id}
+
+        return self._once(("create_model", new_id), lambda: self._executor.submit(create), _json_reply)
+
+    def _unload_model(self, request: dict) -> dict:
+        model_id = _field(request, "model_id", str)
+        with self._lock:
+            trained = self._training.pop(model_id, None)
+            if trained is not None:
+                for session in trained.snapshots:
+                    self._sampling.pop(session, None)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result({"type": "unload_model", "model_id": model_id})
+        with self._lock:
+            return self._register(None, done, _json_reply)
+
+    def _asample(self, request: dict) -> dict:
+        sampling_session_id = _field(request, "sampling_session_id", str)
+        seq_id = request.get("seq_id")
+        sampler = self._sampler(sampling_session_id)
+        for name, what in (
+            ("topk_sample_logprobs", "top-k logprobs of sampled tokens"),
+            ("prompt_alt_tokens_k", "prompt alternative tokens"),
+        ):
+            if int(request.get(name) or 0) > 0:
+                raise WireError(f"{name}: {what} are not supported by this server")
+        if request.get("target_prompt_logprobs") is not None:
+            raise WireError("target_prompt_logprobs is not supported by this server")
+        tokens = wire.prompt_tokens(request.get("prompt"))
+        num_samples = int(request.get("num_samples", 1))
+        params = wire.sampling_params(request.get("sampling_params") or {})
+        want_logprobs = bool(request.get("prompt_logprobs"))
+        topk = int(request.get("topk_prompt_logprobs") or 0)
+        last_n = request.get("prompt_logprobs_last_n")
+        if last_n is not None and not 1 <= int(last_n) <= len(tokens) - 1:
+            raise WireError(f"prompt_logprobs_last_n {last_n}: use 1 to len(prompt) - 1 = {len(tokens) - 1}")
+
+        def start() -> concurrent.futures.Future:
+            prompt = ModelInput.from_ints(tokens)
+            return sampler.client.sample(prompt, num_samples, params, want_logprobs, topk).future()
+
+        def encode(response: Any) -> Reply:
+            prompt_logprobs, topk_rows = response.prompt_logprobs, response.topk_prompt_logprobs
+            if last_n is not None:  # the positions before the last N are not scored
+                hidden = len(tokens) - int(last_n)
+                prompt_logprobs = prompt_logprobs and [None] * hidden + list(prompt_logprobs[hidden:])
+                topk_rows = topk_rows and [None] * hidden + list(topk_rows[hidden:])
+            body = wire.encode_sample_response(response.sequences, prompt_logprobs, topk_rows)
+            return Reply(200, body, PROTO)
+
+        def sequence_ids(request_id: str) -> dict:
+            return {"sample_sequence_ids": [f"{request_id}:{index}" for index in range(num_samples)]}
+
+        return self._once(("sample", sampling_session_id, seq_id), start, encode, sequence_ids)
+
+    _POSTS: ClassVar[dict[str, Callable[[TinkerAPI, dict], Any]]] = {
+        "client/config": _client_config,
+        "client/dynamic_config": _dynamic_config,
+        "create_session": _create_session,
+        "session_heartbeat": _heartbeat,
+        "telemetry": _telemetry,
+        "get_info": _get_info,
+        "create_sampling_session": _create_sampling_session,
+        "retrieve_future": _retrieve_future,
+        "create_model": _create_model,
+        "optim_step": _optim_step,
+        "save_weights": _save_weights,
+        "save_weights_for_sampler": _save_weights_for_sampler,
+        "load_weights": _load_weights,
+        "unload_model": _unload_model,
+        "asample": _asample,
+    }
+    _SUBMITS = frozenset(
+        {
+            "create_model",
+            "optim_step",
+            "save_weights",
+            "save_weights_for_sampler",
+            "load_weights",
+            "unload_model",
+            "asample",
+        }
+    )
+
+    # -- lookups -------------------------------------------------------------------------------------------
+    def _base(self, name: Any) -> _Base:
+        base = self._bases.get(str(name)) or self._bases.get(model_key(str(name)))
+        if base is None:
+            raise WireError(
+                f"base_model {name!r} is not served here; this server serves: "
+                f"{', '.join(self.served_names())}"
+            )
+        return base
+
+    def _base_of(self, base_model: str) -> _Base:
+        """The served base behind a checkpoint's recorded base model (else one named after it)."""
+        key = model_key(base_model)
+        return self._bases.get(key) or _Base(base_model, key, _tokenizer_id(base_model))
+
+    def _trained(self, model_id: str, error: Callable[[str], GymError] = WireError) -> _Trained:
+        with self._lock:
+            trained = self._training.get(model_id)
+        if trained is None:
+            raise error(f"unknown model_id {model_id!r}: create it with create_model (or load_weights)")
+        return trained
+
+    def _sampler(self, sampling_session_id: str, error: Callable[[str], GymError] = WireError) -> _Sampler:
+        with self._lock:
+            sampler = self._sampling.get(sampling_session_id)
+        if sampler is None:
+            raise error(
+                f"unknown sampling session {sampling_session_id!r}: it was never made here, or it is an old "
+                f"snapshot (the newest {MAX_SNAPSHOTS_PER_MODEL} per training client are kept)"
+            )
+        return sampler
+
+
+def _failure(exc: BaseException) -> Reply:
+    """A failed request as the SDK reads it: `user` for what the request got wrong, `server` for a bug."""
+    if isinstance(exc, GymError):
+        return Reply.json({"error": str(exc), "category": "user"})
+    traceback.print_exception(exc, file=sys.stderr)
+    return Reply.json({"error": f"{type(exc).__name__}: {exc}", "category": "server"})
+
+
+def _start_into(start: Callable[[], concurrent.futures.Future], out: concurrent.futures.Future) -> None:
+    """Start the work and hand its outcome to `out` (the future a client already polls)."""
+    try:
+        future = start()
+    except Exception as exc:  # noqa: BLE001 - the client reads it from `out`
+        out.set_exception(exc)
+        return
+
+    def copy(done: concurrent.futures.Future) -> None:
+        if done.exception() is not None:
+            out.set_exception(done.exception())
+        else:
+            out.set_result(done.result())
+
+    future.add_done_callback(copy)
+
+
+def _json_reply(value: Any) -> Reply:
+    return Reply.json(value)
+
+
+def _json_object(body: bytes) -> dict:
+    try:
+        value = json.loads(body or b"{}")
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise WireError("the body must be a JSON object")
+    return value
+
+
+def _field(request: dict, name: str, kind: type) -> Any:
+    value = request.get(name)
+    if value is None:
+        raise WireError(f"the request needs `{name}`")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise WireError(f"`{name}` must be an integer, not {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise WireError(f"`{name}` must be a string, not {value!r}")
+    return value
+
+
+def _check_loss(loss_fn: str) -> None:
+    if loss_fn in HOSTED_ONLY_LOSSES:
+        raise WireError(
+            f"loss_fn `{loss_fn}` is a hosted Tinker loss whose semantics are not public; this server does not "
+            "have it. Use importance_sampling, ppo, cispo or dro (e.g. the cookbook's loss_fn=importance_sampling)"
+        )
+
+
+def _check_optimizer(config: Any) -> None:
+    if config is None:
+        return
+    kind = config.get("type", "adamw") if isinstance(config, dict) else config
+    if kind != "adamw":
+        raise WireError(f"optimizer_config type {kind!r} is not supported: this server trains with AdamW")
+
+
+def _adam(params: Any) -> AdamParams:
+    if not isinstance(params, dict):
+        raise WireError("adam_params must be an object")
+    defaults = AdamParams()
+    names = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    unknown = sorted(set(params) - set(names))
+    if unknown:
+        raise WireError(f"adam_params has unknown fields {unknown}; it takes {list(names)}")
+    try:
+        return AdamParams(**{name: float(params.get(name, getattr(defaults, name))) for name in names})
+    except (TypeError, ValueError):
+        raise WireError(f"adam_params must hold numbers: {params}") from None
+
+
+def _tokenizer_id(base_model: str) -> str:
+    """A folder the SDK's AutoTokenizer loads offline: the model's own folder, the converted folder of a .gguf
+    file, or a hub model's cached snapshot (else the name as it is)."""
+    path = Path(model_key(base_model))
+    if path.is_dir():
+        return str(path)
+    from hanzo_gym.model.hub import resolve_model
+
+    try:
+        return str(resolve_model(base_model))
+    except GymError:
+        return base_model
