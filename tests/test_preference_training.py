@@ -280,10 +280,9 @@ def _trl_rows() -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module")
-def trl_dpo(qwen3_tokenizer, tmp_path_factory):
-    """A TRL DPOTrainer over a tiny Qwen3 with a LoRA adapter whose B matrices are random, so that the policy
-    differs from the reference (the adapter disabled)."""
+def _trl_trainer(trainer_class, args, rows: list[dict], tokenizer):
+    """A TRL trainer over a tiny Qwen3 (wide initialisation, so that an adapter moves its logits) with a fresh
+    LoRA adapter that TRL attaches itself: its reference is then the adapter disabled, as ours."""
     import os
 
     from datasets import Dataset
@@ -293,37 +292,32 @@ def trl_dpo(qwen3_tokenizer, tmp_path_factory):
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     model = tiny_model(
         "qwen3",
-        vocab_size=len(qwen3_tokenizer),
-        eos_token_id=qwen3_tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=None,
         bos_token_id=None,
         initializer_range=0.2,
     )
-    args = trl.DPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("trl")),
-        per_device_train_batch_size=4,
-        report_to=[],
-        use_cpu=True,
-    )
-    trainer = trl.DPOTrainer(
+    return trainer_class(
         model=model,
         args=args,
-        train_dataset=Dataset.from_list(_trl_rows()),
-        processing_class=qwen3_tokenizer,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
     )
-    generator = torch.Generator().manual_seed(0)
+
+
+def _random_lora_b(model, seed: int) -> None:
+    """Random B matrices: the policy then differs from the reference."""
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, parameter in trainer.model.named_parameters():
+        for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
-    return trainer
 
 
-def _our_pairs(qwen3_tokenizer, tmp_path):
-    path = tmp_path / "trl.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in _trl_rows()))
-    ds = parse_config(
+def _preference_config(tmp_path, path, **settings):
+    return parse_config(
         {
             "base_model": "unused",
             "rl": "dpo",
@@ -331,8 +325,28 @@ def _our_pairs(qwen3_tokenizer, tmp_path):
             "output_dir": str(tmp_path),
             "adapter": "lora",
             "lora_target_linear": True,
+            **settings,
         }
-    ).datasets[0]
+    )
+
+
+@pytest.fixture(scope="module")
+def trl_dpo(qwen3_tokenizer, tmp_path_factory):
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("trl")),
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+    )
+    trainer = _trl_trainer(trl.DPOTrainer, args, _trl_rows(), qwen3_tokenizer)
+    _random_lora_b(trainer.model, 0)
+    return trainer
+
+
+def _our_pairs(qwen3_tokenizer, tmp_path):
+    path = tmp_path / "trl.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _trl_rows()))
+    ds = _preference_config(tmp_path, path).datasets[0]
     ctx = StrategyContext(tokenizer=qwen3_tokenizer)
     rows = [Row(data, str(path), number) for number, data in enumerate(_trl_rows(), start=1)]
     return [pair_from_row(row, ds, ctx) for row in rows]
@@ -383,16 +397,7 @@ def test_loss_and_gradient_equal_trl_dpo_trainer(trl_dpo, qwen3_tokenizer, tmp_p
     trl_grads = _grads(model)
     trl_metrics = {key: values[-1] for key, values in trl_dpo._metrics["train"].items()}
 
-    cfg = parse_config(
-        {
-            "base_model": "unused",
-            "datasets": [{"path": str(tmp_path / "trl.jsonl"), "type": "passthrough"}],
-            "output_dir": str(tmp_path),
-            "adapter": "lora",
-            "lora_target_linear": True,
-            **settings,
-        }
-    )
+    cfg = _preference_config(tmp_path, tmp_path / "trl.jsonl", **settings)
     engine = Engine(model, qwen3_tokenizer)
     method = PairMethod(cfg, engine, pairs)
     batch = list(range(len(pairs)))
@@ -427,16 +432,7 @@ def test_reference_pass_equals_the_plain_base_model(trl_dpo, qwen3_tokenizer, tm
 
     pairs = _our_pairs(qwen3_tokenizer, tmp_path)
     model = trl_dpo.model
-    cfg = parse_config(
-        {
-            "base_model": "unused",
-            "rl": "dpo",
-            "datasets": [{"path": "x", "type": "passthrough"}],
-            "output_dir": str(tmp_path),
-            "adapter": "lora",
-            "lora_target_linear": True,
-        }
-    )
+    cfg = _preference_config(tmp_path, "x")
     reference = PairMethod(cfg, Engine(model, qwen3_tokenizer), pairs).prepare(range(len(pairs)))
     base = model.get_base_model()
     with model.disable_adapter(), torch.no_grad():
@@ -524,21 +520,6 @@ def test_kto_strategies_read_axolotls_fields_and_the_label(tmp_path, qwen3_token
 
 @pytest.fixture(scope="module")
 def trl_kto(qwen3_tokenizer, tmp_path_factory):
-    import os
-
-    from datasets import Dataset
-    from peft import LoraConfig
-    from tiny_models import tiny_model
-
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    model = tiny_model(
-        "qwen3",
-        vocab_size=len(qwen3_tokenizer),
-        eos_token_id=qwen3_tokenizer.eos_token_id,
-        pad_token_id=None,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )
     args = trl.KTOConfig(
         output_dir=str(tmp_path_factory.mktemp("trl-kto")),
         per_device_train_batch_size=4,
@@ -548,22 +529,7 @@ def trl_kto(qwen3_tokenizer, tmp_path_factory):
         report_to=[],
         use_cpu=True,
     )
-    trainer = trl.KTOTrainer(
-        model=model,
-        args=args,
-        train_dataset=Dataset.from_list(_kto_rows()),
-        processing_class=qwen3_tokenizer,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
-    )
-    return trainer
-
-
-def _random_lora_b(model, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return _trl_trainer(trl.KTOTrainer, args, _kto_rows(), qwen3_tokenizer)
 
 
 def test_kto_loss_kl_term_and_gradient_equal_trl_kto_trainer(trl_kto, qwen3_tokenizer, tmp_path):
@@ -573,19 +539,14 @@ def test_kto_loss_kl_term_and_gradient_equal_trl_kto_trainer(trl_kto, qwen3_toke
 
     path = tmp_path / "kto.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in _kto_rows()))
-    cfg = parse_config(
-        {
-            "base_model": "unused",
-            "rl": "kto",
-            "rl_beta": 0.3,
-            "kto_desirable_weight": 0.7,
-            "kto_undesirable_weight": 1.3,
-            "micro_batch_size": 4,
-            "datasets": [{"path": str(path), "type": "passthrough"}],
-            "output_dir": str(tmp_path),
-            "adapter": "lora",
-            "lora_target_linear": True,
-        }
+    cfg = _preference_config(
+        tmp_path,
+        path,
+        rl="kto",
+        rl_beta=0.3,
+        kto_desirable_weight=0.7,
+        kto_undesirable_weight=1.3,
+        micro_batch_size=4,
     )
     ctx = StrategyContext(tokenizer=qwen3_tokenizer)
     examples = [
