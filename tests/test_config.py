@@ -290,7 +290,7 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
     ("extra", "expected"),
     [
         ("lora_model_dir: ./adapter\n", "`lora_model_dir` (starting from an existing LoRA adapter)"),
-        ("tokenizer_type: AutoTokenizer\n", "`tokenizer_type` (the tokenizer loader class)"),
+        ("load_in_8bit: true\n", "`load_in_8bit` (a bitsandbytes 8-bit base model)"),
         ("fp16: true\n", "`fp16` (float16 mixed precision)"),
         ("deepspeed: deepspeed_configs/zero2.json\n", "`deepspeed` (DeepSpeed ZeRO sharding)"),
         ("plugins: [axolotl.integrations.cut_cross_entropy]\n", "`plugins` (Axolotl plugins"),

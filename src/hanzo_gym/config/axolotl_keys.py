@@ -17,8 +17,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "fsdp": ("FSDP sharding of the model over GPUs", "multi-GPU data-parallel training runs under torchrun"),
     "fsdp_config": ("FSDP sharding settings", "multi-GPU data-parallel training runs under torchrun"),
     "fsdp_version": ("the FSDP version", "multi-GPU data-parallel training runs under torchrun"),
-    "tf32": ("the CUDA TF32 matmul switch", "remove it; matmuls run at torch's default precision"),
-    "attn_implementation": ("the transformers attention kernel", "remove it; models load with sdpa"),
     "flash_attention": ("FlashAttention kernels", "remove it; models load with sdpa"),
     "sdp_attention": ("the torch SDPA attention switch", "remove it; models load with sdpa already"),
     "xformers_attention": ("xFormers attention kernels", "remove it; models load with sdpa"),
@@ -29,8 +27,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "lora_model_dir": ("starting from an existing LoRA adapter", "remove it or leave it empty"),
     "lora_modules_to_save": ("training whole modules (e.g. embeddings) beside LoRA", "remove it"),
     "peft_use_dora": ("DoRA (weight-decomposed LoRA)", "remove it; vLLM does not serve DoRA adapters"),
-    "model_type": ("the model loader class", "remove it; models load with AutoModelForCausalLM"),
-    "tokenizer_type": ("the tokenizer loader class", "remove it; tokenizers load with AutoTokenizer"),
     "trust_remote_code": ("running Python code from the model repository", "use a model transformers has"),
     "load_in_8bit": (
         "a bitsandbytes 8-bit base model",

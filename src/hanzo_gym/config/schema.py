@@ -203,6 +203,10 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
     resume_from_checkpoint: str | bool | None = None
     seed: int = Field(42, ge=0, le=MAX_SEED)
     bf16: Literal["auto", True, False] = "auto"
+    tf32: Literal["auto", True, False] | None = None  # CUDA's TF32 matmuls; no effect on a CPU
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] | None = None
+    model_type: str | None = None  # Axolotl's model class, checked against what base_model loads as
+    tokenizer_type: str | None = None  # Axolotl's tokenizer class, likewise
     gradient_checkpointing: bool = False
     gradient_checkpointing_kwargs: CheckpointingKwargs = CheckpointingKwargs()
 

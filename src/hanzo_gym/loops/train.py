@@ -32,13 +32,21 @@ from hanzo_gym.loops.sft import SftResult, train_sft
 from hanzo_gym.loops.tail import check_finite_adapter
 from hanzo_gym.loops.trackers import open_trackers
 from hanzo_gym.model.hub import choose_precision, load_causal_lm, load_tokenizer
+from hanzo_gym.model.loader_keys import apply_tf32, attention_kernel, check_loader_class
 from hanzo_gym.model.lora import attach_lora
 
 
 def build_engine(
     cfg: Config, device: torch.device, dtype: torch.dtype, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> Engine:
-    model = load_causal_lm(cfg.base_model, dtype, load_in_4bit=cfg.load_in_4bit, device=device)
+    attention, attention_note = attention_kernel(cfg.attn_implementation, device)
+    for note in (attention_note, apply_tf32(cfg.tf32, device)):
+        if note and is_main():
+            print(note, flush=True)
+    model = load_causal_lm(
+        cfg.base_model, dtype, load_in_4bit=cfg.load_in_4bit, device=device, attn_implementation=attention
+    )
+    check_loader_class("model_type", cfg.model_type, model, cfg.base_model)
     if cfg.load_in_4bit:
         # peft's preparation for k-bit training: the frozen base's remaining layers (norms, embeddings, output)
         # in fp32, which keeps a bf16 QLoRA run stable. Checkpointing is set up below, non-reentrant.
@@ -83,6 +91,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     if is_main():
         print(precision.describe(), flush=True)  # the run's first line: what it computes in, and why
     tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config)
+    check_loader_class("tokenizer_type", cfg.tokenizer_type, tokenizer, cfg.tokenizer_config or cfg.base_model)
     if cfg.rl == "grpo":
         data = load_prompts(cfg, tokenizer)
         what = "prompts"

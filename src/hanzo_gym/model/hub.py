@@ -207,16 +207,20 @@ def load_tokenizer(
 
 
 def load_causal_lm(
-    base_model: str, dtype: torch.dtype, load_in_4bit: bool = False, device: torch.device | None = None
+    base_model: str,
+    dtype: torch.dtype,
+    load_in_4bit: bool = False,
+    device: torch.device | None = None,
+    attn_implementation: str | None = None,
 ) -> transformers.PreTrainedModel:
     """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
     linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; the output layer stays
-    in `dtype`."""
+    in `dtype`. `attn_implementation` picks transformers' attention kernel (its default, sdpa, when None)."""
     model_dir = resolve_model(base_model)
     _check_causal_lm_architecture(base_model, model_dir)
-    placement: dict = {}
+    placement: dict = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if load_in_4bit:
-        placement = {"quantization_config": _four_bit_config(dtype)}
+        placement["quantization_config"] = _four_bit_config(dtype)
         if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
             placement["device_map"] = {"": str(device)}
     try:

@@ -1,0 +1,60 @@
+"""Axolotl's loader keys: `model_type` and `tokenizer_type` (the classes to load with: checked against what the
+base model loads as), `attn_implementation` (the attention kernel, where this machine has it) and `tf32` (CUDA's
+TensorFloat-32 matmuls)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from hanzo_gym.errors import ModelError
+
+AUTO_CLASSES = {"model_type": "AutoModelForCausalLM", "tokenizer_type": "AutoTokenizer"}
+FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def _same_class(wanted: str, loaded: type) -> bool:
+    # transformers 5 has one tokenizer class per model, `…Fast` kept as an alias of it
+    names = {klass.__name__.removesuffix("Fast") for klass in loaded.__mro__}
+    return wanted.removesuffix("Fast") in names
+
+
+def check_loader_class(key: str, wanted: str | None, loaded: object, base_model: str) -> None:
+    """ModelError unless `wanted` (Axolotl's `model_type` / `tokenizer_type`) is the auto class or a class the
+    loaded object is: a config written for another model fails here rather than training something else."""
+    if wanted is None or wanted == AUTO_CLASSES[key]:
+        return
+    if not _same_class(wanted, type(loaded)):
+        raise ModelError(
+            f"{key}: {wanted}, but base_model `{base_model}` loads as {type(loaded).__name__}; remove {key} "
+            f"(hanzo-gym loads with {AUTO_CLASSES[key]}) or point base_model at a {wanted} model"
+        )
+
+
+def attention_kernel(requested: str | None, device: torch.device) -> tuple[str | None, str | None]:
+    """The `attn_implementation` to load with, and a line to print when it is not the one requested. A flash
+    kernel needs its package and a CUDA device; where either is missing the model loads with sdpa (the same
+    attention, computed by torch)."""
+    if requested is None or requested not in FLASH_PACKAGES:
+        return requested, None
+    package = FLASH_PACKAGES[requested]
+    if device.type != "cuda":
+        return "sdpa", f"attn_implementation: {requested} runs on CUDA only; using sdpa on {device.type}"
+    if importlib.util.find_spec(package) is None:
+        return "sdpa", f"attn_implementation: {requested} needs the `{package}` package, not installed; using sdpa"
+    return requested, None
+
+
+def apply_tf32(tf32: bool | str | None, device: torch.device) -> str | None:
+    """Set CUDA's TF32 switches as `tf32` says (`auto`: on where the GPU has TF32, compute capability 8.0+);
+    return a line to print when the setting cannot apply (TF32 is an NVIDIA tensor-core format)."""
+    if tf32 is None:
+        return None
+    if device.type != "cuda":
+        # off is what every other device does anyway
+        return None if tf32 is False else f"tf32: {tf32} has no effect on {device.type} (TF32 is NVIDIA's)"
+    enabled = torch.cuda.get_device_capability(device)[0] >= 8 if tf32 == "auto" else bool(tf32)
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return None

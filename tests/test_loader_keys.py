@@ -1,0 +1,100 @@
+"""Axolotl's loader keys: model_type / tokenizer_type checked against what loads, attn_implementation, tf32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from hanzo_gym.cli import main
+from hanzo_gym.config import load_config
+from hanzo_gym.errors import ModelError
+from hanzo_gym.loops.train import build_engine
+from hanzo_gym.model import loader_keys
+
+
+def test_the_loader_classes_must_be_what_the_model_loads_as(qwen3_tokenizer):
+    from tiny_models import tiny_model
+
+    model = tiny_model("qwen3")
+    for fine in (None, "AutoModelForCausalLM", "Qwen3ForCausalLM"):
+        loader_keys.check_loader_class("model_type", fine, model, "tiny")
+    with pytest.raises(ModelError, match="model_type: LlamaForCausalLM, but base_model `tiny` loads as Qwen3"):
+        loader_keys.check_loader_class("model_type", "LlamaForCausalLM", model, "tiny")
+    name = type(qwen3_tokenizer).__name__.removesuffix("Fast")
+    for fine in ("AutoTokenizer", name, name + "Fast"):
+        loader_keys.check_loader_class("tokenizer_type", fine, qwen3_tokenizer, "tiny")
+    with pytest.raises(ModelError, match="tokenizer_type: LlamaTokenizer, but .* remove tokenizer_type"):
+        loader_keys.check_loader_class("tokenizer_type", "LlamaTokenizer", qwen3_tokenizer, "tiny")
+
+
+def test_a_flash_kernel_falls_back_to_sdpa_where_it_cannot_run(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert loader_keys.attention_kernel(None, cpu) == (None, None)
+    assert loader_keys.attention_kernel("eager", cpu) == ("eager", None)
+    kernel, note = loader_keys.attention_kernel("flash_attention_2", cpu)
+    assert kernel == "sdpa" and "runs on CUDA only" in note
+    monkeypatch.setattr(loader_keys.importlib.util, "find_spec", lambda name: None)
+    kernel, note = loader_keys.attention_kernel("flash_attention_2", cuda)
+    assert kernel == "sdpa" and "`flash_attn` package, not installed" in note
+    monkeypatch.setattr(loader_keys.importlib.util, "find_spec", lambda name: object())
+    assert loader_keys.attention_kernel("flash_attention_2", cuda) == ("flash_attention_2", None)
+
+
+def test_tf32_sets_cudas_switches_and_says_when_it_cannot(monkeypatch):
+    assert loader_keys.apply_tf32(None, torch.device("cpu")) is None
+    assert loader_keys.apply_tf32(False, torch.device("cpu")) is None  # off: what a CPU does anyway
+    assert "no effect on cpu" in loader_keys.apply_tf32(True, torch.device("cpu"))
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for capability, expected in (((8, 0), True), ((7, 5), False)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+            assert loader_keys.apply_tf32("auto", torch.device("cuda")) is None
+            assert torch.backends.cuda.matmul.allow_tf32 is expected and torch.backends.cudnn.allow_tf32 is expected
+        loader_keys.apply_tf32(True, torch.device("cuda"))
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _tiny_config(tmp_path, tiny_base, data_path, **overrides):
+    cfg = {
+        "base_model": str(tiny_base),
+        "datasets": [{"path": str(data_path), "type": "completion"}],
+        "output_dir": str(tmp_path / "run"),
+        "sequence_len": 32,
+        "adapter": "lora",
+        "lora_r": 4,
+        "lora_target_linear": True,
+        "max_steps": 2,
+        "bf16": False,
+        **overrides,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.jsonl"
+    path.write_text("".join(f'{{"text": "count {i} {i + 1} {i + 2}"}}\n' for i in range(8)))
+    return path
+
+
+def test_attn_implementation_reaches_the_model_and_trains(tmp_path, tiny_base, text_file, capsys):
+    path = _tiny_config(tmp_path, tiny_base, text_file, attn_implementation="eager", tf32=True)
+    engine = build_engine(load_config(path), torch.device("cpu"), torch.float32)
+    assert engine.model.get_base_model().config._attn_implementation == "eager"
+    assert "tf32: True has no effect on cpu" in capsys.readouterr().out
+    flash = _tiny_config(tmp_path, tiny_base, text_file, attn_implementation="flash_attention_2")
+    assert main(["train", str(flash)]) == 0
+    assert "attn_implementation: flash_attention_2 runs on CUDA only; using sdpa on cpu" in capsys.readouterr().out
+
+
+def test_gym_train_refuses_a_config_written_for_another_model(tmp_path, tiny_base, text_file, capsys):
+    path = _tiny_config(tmp_path, tiny_base, text_file, model_type="MistralForCausalLM")
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "model_type: MistralForCausalLM, but base_model" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "adapter_model.safetensors").exists()
