@@ -19,14 +19,15 @@ CONFIGS = Path(__file__).parent / "axolotl_configs"
 
 # What still blocks each config as written (shrink as the features land: issue 13).
 STILL_REFUSED = {
-    "llama-3--instruct-dpo-lora-8b.yml": {"special_tokens", "load_in_8bit"},
-    "llama-3--qlora-1b-kto.yaml": {"dataset_prepared_path", "special_tokens"},
-    "mistral--dpo--mistral-dpo-qlora.yml": {"lora_modules_to_save", "special_tokens"},
+    "llama-3--instruct-dpo-lora-8b.yml": {"load_in_8bit"},
+    "llama-3--qlora-1b-kto.yaml": {"dataset_prepared_path"},
+    # (its special_tokens add <|im_start|> / <|im_end|> to Mistral's vocabulary: refused when the tokenizer loads)
+    "mistral--dpo--mistral-dpo-qlora.yml": {"lora_modules_to_save"},
     "mistral--orpo--mistral-qlora-orpo.yml": {"dataset_prepared_path"},
     "qwen2--dpo.yaml": {"adapter", "chat_template"},
 }
-# The loader keys these configs hold name a model of their own (Mistral, Llama): the tiny model is a Qwen3.
-OTHER_MODEL_KEYS = ("model_type", "tokenizer_type")
+# Keys that name a model of their own (Mistral, Llama classes and tokens): the tiny model is a Qwen3.
+OTHER_MODEL_KEYS = ("model_type", "tokenizer_type", "special_tokens")
 
 
 # One row in the format each config's dataset type reads.

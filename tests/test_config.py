@@ -294,7 +294,7 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
         ("fp16: true\n", "`fp16` (float16 mixed precision)"),
         ("deepspeed: deepspeed_configs/zero2.json\n", "`deepspeed` (DeepSpeed ZeRO sharding)"),
         ("plugins: [axolotl.integrations.cut_cross_entropy]\n", "`plugins` (Axolotl plugins"),
-        ("special_tokens:\n  pad_token: <pad>\n", "`special_tokens` (setting the pad/bos/eos/unk tokens)"),
+        ("tokens: [<new>]\n", "`tokens` (adding tokens to the vocabulary)"),
         ("    name: main\n", "`datasets[0].name` (the Hugging Face dataset config name)"),
         ("trl:\n  use_vllm: true\n", "`trl.use_vllm` (rollouts on a vLLM server)"),
     ],

@@ -98,3 +98,23 @@ def test_gym_train_refuses_a_config_written_for_another_model(tmp_path, tiny_bas
     err = capsys.readouterr().err
     assert "model_type: MistralForCausalLM, but base_model" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "adapter_model.safetensors").exists()
+
+
+def test_special_tokens_take_the_tokenizers_own_tokens_and_refuse_new_ones(tmp_path, tiny_base, text_file):
+    from hanzo_gym.data.dataset import load_examples
+    from hanzo_gym.model.hub import load_tokenizer
+
+    roles = {"eos_token": "<|endoftext|>", "pad_token": "<|fim_pad|>"}
+    tokenizer = load_tokenizer(str(tiny_base), special_tokens=roles)
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|endoftext|>", "<|fim_pad|>")
+    assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    with pytest.raises(ModelError, match=r"special_tokens.bos_token: '<\|new\|>' is not in the vocabulary"):
+        load_tokenizer(str(tiny_base), special_tokens={"bos_token": "<|new|>"})
+
+    path = _tiny_config(tmp_path, tiny_base, text_file, special_tokens={"eos_token": "<|endoftext|>"})
+    cfg = load_config(path)
+    examples = load_examples(cfg, load_tokenizer(cfg.base_model, special_tokens=cfg.special_token_roles)).train
+    assert {example.input_ids[-1] for example in examples} == {tokenizer.eos_token_id}  # completions end with it
+    assert main(["train", str(path)]) == 0
+    saved = load_tokenizer(str(tmp_path / "run"))  # the adapter's tokenizer, as serving loads it
+    assert saved.eos_token == "<|endoftext|>"

@@ -29,7 +29,7 @@ def _preprocess(args: argparse.Namespace) -> None:
     from hanzo_gym.model.hub import load_tokenizer
 
     cfg = load_config(args.config)
-    data = load_examples(cfg, load_tokenizer(cfg.base_model, cfg.tokenizer_config))
+    data = load_examples(cfg, load_tokenizer(cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles))
     print(format_stats(data.stats))
 
 

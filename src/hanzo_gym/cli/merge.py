@@ -29,7 +29,7 @@ def merged_from(cfg: Config, adapter_dir: str | Path) -> tuple[PreTrainedModel, 
     dtype = getattr(AutoConfig.from_pretrained(resolve_model(cfg.base_model)), "dtype", None) or torch.float32
     base = load_causal_lm(cfg.base_model, dtype if isinstance(dtype, torch.dtype) else torch.float32)
     model = merged_model(PeftModel.from_pretrained(base, str(adapter_dir)))
-    return model, load_tokenizer(cfg.base_model, cfg.tokenizer_config)
+    return model, load_tokenizer(cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles)
 
 
 def merge_run(cfg: Config, out: str | None = None, checkpoint: str | None = None) -> Path:

@@ -20,7 +20,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "flash_attention": ("FlashAttention kernels", "remove it; models load with sdpa"),
     "sdp_attention": ("the torch SDPA attention switch", "remove it; models load with sdpa already"),
     "xformers_attention": ("xFormers attention kernels", "remove it; models load with sdpa"),
-    "special_tokens": ("setting the pad/bos/eos/unk tokens", "remove it; the tokenizer's own tokens apply"),
     "tokens": ("adding tokens to the vocabulary", "remove it"),
     "eot_tokens": ("end-of-turn tokens for label masking", "remove it; the renderer knows each turn's end"),
     "dataset_prepared_path": ("a folder caching the tokenized datasets", "remove it or leave it empty"),

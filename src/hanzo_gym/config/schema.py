@@ -40,6 +40,15 @@ class MessagePropertyMappings(_Strict):
     content: str = "content"
 
 
+class SpecialTokens(_Strict):
+    """Axolotl's `special_tokens`: which of the tokenizer's tokens play these roles."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+
+
 class DatasetConfig(_Strict):
     path: str
     # SFT's three types, or a preference type (config/preference_keys.py) that an `rl: dpo`-family run reads
@@ -146,6 +155,7 @@ class CheckpointingKwargs(_Strict):
 class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tracking.py
     base_model: str
     tokenizer_config: str | None = None
+    special_tokens: SpecialTokens | None = None
     chat_template: str | None = None
     datasets: list[DatasetConfig] = Field(min_length=1)
     val_set_size: float = Field(0.0, ge=0)
@@ -286,6 +296,11 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
                     f"{len(self.trl.reward_funcs)} trl.reward_funcs; give one weight per function"
                 )
         return self
+
+    @property
+    def special_token_roles(self) -> dict[str, str]:
+        """`special_tokens` as role → token text, the roles set only."""
+        return self.special_tokens.model_dump(exclude_none=True) if self.special_tokens else {}
 
     def warmup(self, total_steps: int) -> int:
         if self.warmup_steps is not None:

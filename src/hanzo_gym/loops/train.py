@@ -90,7 +90,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     device, dtype = precision.device, precision.dtype
     if is_main():
         print(precision.describe(), flush=True)  # the run's first line: what it computes in, and why
-    tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config)
+    tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles)
     check_loader_class("tokenizer_type", cfg.tokenizer_type, tokenizer, cfg.tokenizer_config or cfg.base_model)
     if cfg.rl == "grpo":
         data = load_prompts(cfg, tokenizer)

@@ -183,9 +183,10 @@ def _read_model_config(base_model: str, model_dir: Path) -> dict:
 
 
 def load_tokenizer(
-    base_model: str, tokenizer_config: str | None = None
+    base_model: str, tokenizer_config: str | None = None, special_tokens: dict[str, str] | None = None
 ) -> transformers.PreTrainedTokenizerBase:
-    """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from base_model."""
+    """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from base_model, with
+    Axolotl's `special_tokens` (role → token text, e.g. {"eos_token": "<|eot_id|>"}) set."""
     if tokenizer_config is None:
         source, name = resolve_model(base_model), base_model
     else:
@@ -197,6 +198,15 @@ def load_tokenizer(
             "set tokenizer_config to a directory or hub repo that has them"
         )
     tokenizer = AutoTokenizer.from_pretrained(source)
+    vocabulary = tokenizer.get_vocab()
+    for role, text in (special_tokens or {}).items():
+        if text not in vocabulary:
+            raise ModelError(
+                f"special_tokens.{role}: {text!r} is not in the vocabulary of `{name}`; a new token needs "
+                "trainable embeddings (Axolotl's lora_modules_to_save: [embed_tokens, lm_head]), which hanzo-gym "
+                "does not support yet: use a token the tokenizer has"
+            )
+        setattr(tokenizer, role, text)
     if tokenizer.pad_token is None:
         # Padding positions are excluded by the attention mask and the label mask, so the pad id's value
         # never reaches the model or the loss. Reusing eos avoids adding a token, which would resize the
