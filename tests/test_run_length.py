@@ -34,20 +34,6 @@ def test_max_steps_overrides_num_epochs_both_ways():
     assert planned_steps(parse_config({**BASE, "num_epochs": 1, "max_steps": 10}), 5) == (10, 2)
 
 
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    with open(path, "w") as handle:
-        for a in range(8):
-            for b in range(5):
-                messages = [
-                    {"role": "user", "content": f"{a} and {b}?"},
-                    {"role": "assistant", "content": f"{a} and {b} make {a + b}."},
-                ]
-                handle.write(json.dumps({"messages": messages}) + "\n")
-    return path
-
-
 def _config(tmp_path, tiny_base, data, **overrides):
     cfg = {
         "base_model": str(tiny_base),

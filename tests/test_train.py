@@ -17,20 +17,6 @@ from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.records import Datum, ModelInput
 
 
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    with open(path, "w") as handle:
-        for a in range(8):
-            for b in range(5):
-                messages = [
-                    {"role": "user", "content": f"{a} and {b}?"},
-                    {"role": "assistant", "content": f"{a} and {b} make {a + b}."},
-                ]
-                handle.write(json.dumps({"messages": messages}) + "\n")
-    return path
-
-
 def _config(tmp_path, tiny_base, chat_data, **overrides):
     cfg = {
         "base_model": str(tiny_base),
