@@ -198,7 +198,7 @@ def test_over_long_pairs_are_dropped_or_truncated_as_axolotl_does(tmp_path, qwen
     ]
     cfg, _ = _dataset(tmp_path, rows, type="chatml.intel")
     loaded = load_preferences(cfg, qwen3_tokenizer)
-    assert len(loaded.train) == 1 and loaded.stats[-1].dropped == 1
+    assert len(loaded.train) == 1 and loaded.stats[-1].too_long == 1 and loaded.stats[-1].dropped == 0
     truncating = cfg.model_copy(update={"excess_length_strategy": "truncate"})
     loaded = load_preferences(truncating, qwen3_tokenizer)
     assert len(loaded.train) == 2 and loaded.stats[-1].truncated == 1

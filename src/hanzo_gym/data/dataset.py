@@ -60,7 +60,7 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
         kept, ds_stats = examples_from_rows(rows, ds, ctx, cfg.sequence_len, cfg.excess_length_strategy)
         examples.extend(kept)
         stats.append(ds_stats)
-    stats.append(_total(stats))
+    stats.append(total_stats(stats))
     random.Random(cfg.seed).shuffle(examples)
     train_count = len(examples) - validation_count(cfg.val_set_size, len(examples))
     return LoadedData(train=examples[:train_count], val=examples[train_count:], stats=stats)
@@ -119,7 +119,7 @@ def format_stats(stats: list[DatasetStats]) -> str:
     )
 
 
-def _total(stats: list[DatasetStats]) -> DatasetStats:
+def total_stats(stats: list[DatasetStats]) -> DatasetStats:
     return DatasetStats(
         path="total",
         examples=sum(s.examples for s in stats),
@@ -131,17 +131,18 @@ def _total(stats: list[DatasetStats]) -> DatasetStats:
     )
 
 
-def excess_length_note(cfg: Config, stats: list[DatasetStats]) -> str | None:
-    """The line `gym train` prints when examples were longer than sequence_len (None when none were)."""
+def excess_length_note(cfg: Config, stats: list[DatasetStats], what: str = "examples") -> str | None:
+    """The line `gym train` prints when examples (or preference `pairs`) were longer than sequence_len (None
+    when none were)."""
     total = stats[-1]
     if total.too_long:
         return (
-            f"dropped {total.too_long} examples longer than sequence_len {cfg.sequence_len} "
+            f"dropped {total.too_long} {what} longer than sequence_len {cfg.sequence_len} "
             "(excess_length_strategy: drop; `truncate` keeps their first sequence_len tokens)"
         )
     if total.truncated:
         return (
-            f"truncated {total.truncated} examples longer than sequence_len {cfg.sequence_len} to it "
+            f"truncated {total.truncated} {what} longer than sequence_len {cfg.sequence_len} to it "
             "(excess_length_strategy: truncate)"
         )
     return None

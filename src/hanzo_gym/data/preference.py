@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.config import Config, DatasetConfig
-from hanzo_gym.data.dataset import DatasetStats, validation_count
+from hanzo_gym.data.dataset import DatasetStats, total_stats, validation_count
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext
 from hanzo_gym.errors import DataError
@@ -339,7 +339,10 @@ def items_from_rows(
                 f"{_where(row)}: prompt + completion is {longest} tokens, over sequence_len {sequence_len} "
                 "(excess_length_strategy: raise); raise sequence_len or use `drop` / `truncate`"
             )
-        if pair is None or not pair.prompt or not all(_completions(pair)):
+        if pair is None:
+            stats.too_long += 1
+            continue
+        if not pair.prompt or not all(_completions(pair)):
             stats.dropped += 1
             continue
         stats.truncated += pair is not whole
@@ -361,13 +364,9 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
         kept, ds_stats = items_from_rows(rows, ds, ctx, cfg.sequence_len, strategy, kto=cfg.rl == "kto")
         pairs.extend(kept)
         stats.append(ds_stats)
-    total = DatasetStats("total")
-    for s in stats:
-        for key in ("examples", "tokens", "trained_tokens", "truncated", "dropped"):
-            setattr(total, key, getattr(total, key) + getattr(s, key))
     random.Random(cfg.seed).shuffle(pairs)
     train_count = len(pairs) - validation_count(cfg.val_set_size, len(pairs))
-    return LoadedPreferences(train=pairs[:train_count], val=pairs[train_count:], stats=[*stats, total])
+    return LoadedPreferences(train=pairs[:train_count], val=pairs[train_count:], stats=[*stats, total_stats(stats)])
 
 
 def _where(row: Row) -> str:

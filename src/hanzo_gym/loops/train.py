@@ -99,11 +99,12 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
             print(f"dropped {data.dropped} prompts longer than sequence_len {cfg.sequence_len}", flush=True)
     elif cfg.rl in PREFERENCE_METHODS:
         data = load_preferences(cfg, tokenizer)
-        what = "pairs"
+        what = "pairs" if cfg.rl != "kto" else "examples"
     else:
         data = load_examples(cfg, tokenizer)
         what = "examples"
-        note = excess_length_note(cfg, data.stats)  # over-long examples dropped or truncated, how many
+    if cfg.rl != "grpo":
+        note = excess_length_note(cfg, data.stats, what)  # over-long items dropped or truncated, how many
         if note and is_main():
             print(note, flush=True)
     if not data.train:
