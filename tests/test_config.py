@@ -289,14 +289,14 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ("lora_model_dir: ./adapter\n", "`lora_model_dir` (starting from an existing LoRA adapter)"),
+        ("lora_modules_to_save: [embed_tokens]\n", "`lora_modules_to_save` (training whole modules"),
         ("load_in_8bit: true\n", "`load_in_8bit` (a bitsandbytes 8-bit base model)"),
         ("fp16: true\n", "`fp16` (float16 mixed precision)"),
         ("deepspeed: deepspeed_configs/zero2.json\n", "`deepspeed` (DeepSpeed ZeRO sharding)"),
         ("plugins: [axolotl.integrations.cut_cross_entropy]\n", "`plugins` (Axolotl plugins"),
         ("tokens: [<new>]\n", "`tokens` (adding tokens to the vocabulary)"),
         ("    name: main\n", "`datasets[0].name` (the Hugging Face dataset config name)"),
-        ("trl:\n  use_vllm: true\n", "`trl.use_vllm` (rollouts on a vLLM server)"),
+        ("trl:\n  vllm_enable_sleep_mode: true\n", "`trl.vllm_enable_sleep_mode` (freeing a colocated vLLM's"),
     ],
 )
 def test_known_axolotl_keys_name_their_feature_never_another_key(tmp_path, extra, expected):
@@ -320,13 +320,13 @@ def test_every_refusal_of_a_file_is_listed_together_in_line_order(tmp_path):
         "lora_alpah: 32\n"  # 9
         "micro_batch_size: 0\n"  # 10
         "fp16: true\n"  # 11
-        "lora_model_dir: ./adapter\n"  # 12
+        "dataset_prepared_path: ./prepared\n"  # 12
         "optimizer: sgd\n"  # 13
     )
     lines = _error(tmp_path, text).splitlines()
     assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in lines] == ["8", "9", "10", "11", "12", "13"]
     assert "`deepspeed`" in lines[0] and "`lora_alpah`" in lines[1] and "`micro_batch_size`" in lines[2]
-    assert "`fp16`" in lines[3] and "`lora_model_dir`" in lines[4] and "optimizer: sgd" in lines[5]
+    assert "`fp16`" in lines[3] and "`dataset_prepared_path`" in lines[4] and "optimizer: sgd" in lines[5]
 
 
 def test_unknown_keys_still_fail(tmp_path):

@@ -1,7 +1,7 @@
 """The layering rules of the package, held by tests (see "How it is built" in the README).
 
 Bottom to top: records, errors, files and launch → config, data, renderers, rewards, synth (no torch) → model (loading,
-LoRA) → engine → host (model host, sample batcher) → loops → front ends (cli, serve, tinker, cookbook). An
+LoRA) → engine → host (model host, sample batcher), rollout (vLLM) → loops → front ends (cli, serve, tinker, cookbook). An
 import only points down or sideways within a layer; module-level imports form no cycle.
 """
 
@@ -22,7 +22,7 @@ LAYERS = [
     {"config", "data", "renderers", "rewards", "synth"},
     {"model"},
     {"engine"},
-    {"host"},
+    {"host", "rollout"},
     {"loops"},
     {"cli", "serve", "tinker", "cookbook"},
 ]

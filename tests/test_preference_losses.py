@@ -314,6 +314,47 @@ def test_dpo_family_on_engine_scored_tiny_model_equals_trl():
     )
 
 
+def test_log_sum_sq_probs_of_the_chunked_path_equal_trls_fused_lm_head():
+    """The engine's chunked scoring gives TRL's `log_sum_sq_probs` (its fused LM head's chunked kernel, here on
+    the CPU), with the log-probs and entropy unchanged and no gradient through the WPO term."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    from hanzo_gym.engine.token_logprobs import token_logprobs, token_logprobs_with_log_sum_sq
+
+    generator = torch.Generator().manual_seed(12)
+    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)
+    weight = (3 * torch.randn(50, 16, generator=generator)).requires_grad_()
+    targets = torch.randint(0, 50, (37,), generator=generator)
+    logprobs, entropy, log_sum_sq = token_logprobs_with_log_sum_sq(hidden, weight, targets, chunk=8)
+    outputs = ("entropy", "log_sum_sq_probs")
+    trl_logprobs, _, trl_log_sum_sq, _, _ = ChunkedLogProbFunction.apply(
+        hidden, weight, None, targets, 1.0, 16, None, 1.0, outputs
+    )
+    # peaked rows (logits of size ~50) put log Σ π² near 0: compare absolutely, each within fp32 of float64
+    exact = torch.logsumexp(2 * (hidden.double() @ weight.double().T).log_softmax(-1), dim=-1)
+    for values in (log_sum_sq, trl_log_sum_sq, pl.log_sum_squared_probs(hidden @ weight.T)):
+        torch.testing.assert_close(values.double(), exact.detach(), rtol=0, atol=2e-6)
+    torch.testing.assert_close(log_sum_sq, trl_log_sum_sq, rtol=0, atol=2e-6)
+    torch.testing.assert_close(logprobs, trl_logprobs, rtol=RTOL, atol=1e-6)
+    plain_logprobs, plain_entropy = token_logprobs(hidden, weight, targets, chunk=8)
+    assert torch.equal(logprobs, plain_logprobs) and torch.equal(entropy, plain_entropy)
+    # no gradient, and log Σ π² within [−log V, 0]
+    assert not log_sum_sq.requires_grad
+    assert log_sum_sq.max() <= 0 and log_sum_sq.min() >= -torch.log(torch.tensor(50.0))
+
+
+def test_engine_scores_log_sum_sq_probs_per_datum():
+    engine_model = tiny_model("llama", seed=0)
+    sequences = [[5, 9, 4, 17, 3], [8, 2, 11]]
+    datums = [Datum(ModelInput.from_ints(s[:-1]), {"target_tokens": s[1:]}) for s in sequences]
+    logprobs, extras = Engine(engine_model).forward_with(datums, ["log_sum_sq_probs"])
+    assert [t.tolist() for t in logprobs] == [t.tolist() for t in Engine(engine_model).forward(datums)]
+    for sequence, values in zip(sequences, extras["log_sum_sq_probs"], strict=True):
+        with torch.no_grad():
+            logits = engine_model(input_ids=torch.tensor([sequence[:-1]])).logits[0]
+        torch.testing.assert_close(values, pl.log_sum_squared_probs(logits), rtol=RTOL, atol=1e-5)
+
+
 # -- SimPO (CPO) and ORPO -------------------------------------------------------------------------------------
 
 

@@ -221,6 +221,23 @@ def test_over_long_pairs_are_dropped_or_truncated_as_axolotl_does(tmp_path, qwen
             "rl: kto reads datasets of type",
         ),
         ({"rl": "kto", "micro_batch_size": 1, "datasets": [{"path": "x", "type": "chatml.argilla"}]}, "≥ 2"),
+        ({"rl": "orpo", "dpo_use_weighting": True}, "applies to rl: dpo or ipo, not rl: orpo"),
+        ({"rl": "simpo", "dpo_use_weighting": True}, "applies to rl: dpo or ipo, not rl: simpo"),
+        (
+            {
+                "rl": "kto",
+                "micro_batch_size": 2,
+                "datasets": [{"path": "x", "type": "chatml.argilla"}],
+                "dpo_use_weighting": True,
+            },
+            "applies to rl: dpo or ipo, not rl: kto",
+        ),
+        (
+            {"rl": None, "datasets": [{"path": "x", "type": "alpaca"}], "dpo_use_weighting": True},
+            "needs `rl: dpo`",
+        ),
+        ({"dpo_use_weighting": True, "rpo_alpha": 0.5}, "TRL 1.16's DPOTrainer fails on that combination"),
+        ({"dpo_use_weighting": True, "dpo_loss_type": ["sigmoid", "sft"]}, "with the chosen NLL"),
     ],
 )
 def test_preference_config_mistakes_are_refused_with_a_sentence(tmp_path, extra, message):
@@ -237,16 +254,31 @@ def test_preference_config_mistakes_are_refused_with_a_sentence(tmp_path, extra,
         parse_config(data)
 
 
+@pytest.mark.parametrize("method", ["dpo", "ipo"])
+def test_dpo_use_weighting_loads_for_dpo_and_ipo(tmp_path, method):
+    data = {
+        "base_model": "unused",
+        "rl": method,
+        "datasets": [{"path": "x.jsonl", "type": "chatml.intel"}],
+        "output_dir": str(tmp_path),
+        "adapter": "lora",
+        "lora_target_linear": True,
+        "dpo_use_weighting": True,
+    }
+    assert parse_config(data).dpo_use_weighting is True
+
+
 # -- gym train end to end ---------------------------------------------------------------------------------------
 
 
 # DPO end to end in the developer's suite; the other methods (same loop, other loss: each is checked against TRL
 # above or in test_preference_losses.py) end to end in CI's
 @pytest.mark.parametrize(
-    "method", ["dpo", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ipo", "orpo", "simpo"))]
+    "method", ["dpo", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ipo", "orpo", "simpo", "dpo+wpo"))]
 )
 def test_gym_train_preference_methods_learn(tmp_path, tiny_base, pair_file, capsys, method):
-    path, _ = _config(tmp_path, tiny_base, pair_file, rl=method)
+    rl, _, weighting = method.partition("+")
+    path, _ = _config(tmp_path, tiny_base, pair_file, rl=rl, dpo_use_weighting=weighting == "wpo")
     assert main(["train", str(path)]) == 0
     rows = _rows(tmp_path / "run")
     train_rows = [r for r in rows if "loss" in r]
@@ -330,17 +362,28 @@ def _preference_config(tmp_path, path, **settings):
     )
 
 
-@pytest.fixture(scope="module")
-def trl_dpo(qwen3_tokenizer, tmp_path_factory):
+def _trl_dpo_trainer(qwen3_tokenizer, tmp_path_factory, **options):
     args = trl.DPOConfig(
         output_dir=str(tmp_path_factory.mktemp("trl")),
         per_device_train_batch_size=4,
         report_to=[],
         use_cpu=True,
+        **options,
     )
     trainer = _trl_trainer(trl.DPOTrainer, args, _trl_rows(), qwen3_tokenizer)
     _random_lora_b(trainer.model, 0)
     return trainer
+
+
+@pytest.fixture(scope="module")
+def trl_dpo(qwen3_tokenizer, tmp_path_factory):
+    return _trl_dpo_trainer(qwen3_tokenizer, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def trl_wpo(qwen3_tokenizer, tmp_path_factory):
+    """TRL's DPOTrainer with `use_weighting=True` (WPO): its fused LM head then also returns log Σ_v π(v)²."""
+    return _trl_dpo_trainer(qwen3_tokenizer, tmp_path_factory, use_weighting=True)
 
 
 def _our_pairs(qwen3_tokenizer, tmp_path):
@@ -364,13 +407,18 @@ def _grads(model) -> dict[str, torch.Tensor]:
         {"rl": "dpo", "rl_beta": 0.1},
         {"rl": "dpo", "rl_beta": 0.3, "rpo_alpha": 0.5},
         {"rl": "ipo", "rl_beta": 0.2},
+        {"rl": "dpo", "rl_beta": 0.1, "dpo_use_weighting": True},
+        {"rl": "ipo", "rl_beta": 0.2, "dpo_use_weighting": True},
     ],
-    ids=["sigmoid", "rpo", "ipo"],
+    ids=["sigmoid", "rpo", "ipo", "wpo-sigmoid", "wpo-ipo"],
 )
-def test_loss_and_gradient_equal_trl_dpo_trainer(trl_dpo, qwen3_tokenizer, tmp_path, settings):
+def test_loss_and_gradient_equal_trl_dpo_trainer(request, qwen3_tokenizer, tmp_path, settings):
     from hanzo_gym.engine import Engine
-    from hanzo_gym.loops.preference import PairMethod
+    from hanzo_gym.loops.preference import PairMethod, evaluate
 
+    weighting = settings.get("dpo_use_weighting", False)
+    trl_dpo = request.getfixturevalue("trl_wpo" if weighting else "trl_dpo")
+    assert trl_dpo.use_weighting is weighting
     pairs = _our_pairs(qwen3_tokenizer, tmp_path)
     dataset = trl_dpo.train_dataset
     for pair, tokenized in zip(pairs, dataset):  # TRL's own tokenization of the same rows
@@ -404,15 +452,27 @@ def test_loss_and_gradient_equal_trl_dpo_trainer(trl_dpo, qwen3_tokenizer, tmp_p
     prepared = method.prepare(batch)
     captured = {}
 
-    def loss_fn(logprobs):
-        scored = method.loss(batch, logprobs, prepared)
+    unweighted = PairMethod(cfg.model_copy(update={"dpo_use_weighting": False}), engine, pairs)
+
+    def loss_fn(logprobs, **extras):
+        scored = method.loss(batch, logprobs, prepared, **extras)
         captured.update(scored.metrics)
+        captured["unweighted"] = unweighted.loss(
+            batch, [lp.detach() for lp in logprobs], prepared
+        ).loss.item()
         return scored.loss, {}
 
-    our_loss, _ = engine.forward_backward_custom(method.datums(batch), loss_fn)
+    our_loss, _ = engine.forward_backward_custom(method.datums(batch), loss_fn, method.outputs)
     our_grads = _grads(model)
 
+    print(f"loss ours {our_loss:.8g} TRL {trl_loss.item():.8g} unweighted {captured['unweighted']:.8g}")
     assert our_loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    if weighting:  # the weights are in: the loss is not the plain one
+        assert abs(our_loss - captured["unweighted"]) > 1e-3 * abs(captured["unweighted"])
+    else:
+        assert our_loss == pytest.approx(captured["unweighted"], rel=1e-6)
+    # the evaluation path (no gradient, its own scoring of the same outputs) gives the same loss
+    assert evaluate(method, len(pairs))["eval/loss"] == pytest.approx(our_loss, rel=1e-5)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert captured[key] == pytest.approx(trl_metrics[key], rel=1e-4, abs=1e-6), key
     assert captured["rewards/accuracies"] == trl_metrics["rewards/accuracies"]

@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -20,6 +15,7 @@ import tinker  # the official SDK (the `test` extra pins 0.38.0): not skipped wh
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
+from tinker_serve import start_gym_serve, stop
 
 from hanzo_gym import tinker as gym_tinker
 from hanzo_gym.host.model_host import ModelHost
@@ -241,7 +237,8 @@ def test_user_mistakes_are_user_errors_at_once(sdk):
     with pytest.raises(tinker.RequestFailedError) as hosted_only:
         client.forward_backward([sdk_datum(SENTENCES[0])], "stable_reinforce").result()
     assert hosted_only.value.category == types.RequestErrorCategory.User
-    assert "stable_reinforce" in str(hosted_only.value)
+    # What the cookbook's rl_loop sends by default: the error names the loss to use instead.
+    assert "stable_reinforce" in str(hosted_only.value) and "importance_sampling" in str(hosted_only.value)
 
     with pytest.raises(tinker.RequestFailedError) as bad_token:
         client.forward([sdk_datum([1, 2, 10_000])], "cross_entropy").result()
@@ -409,28 +406,11 @@ def test_custom_losses_async_calls_and_clients_side_by_side(sdk, reference, tiny
     assert_same_output(after, local.forward([gym_datum(s) for s in SENTENCES], "cross_entropy").result())
 
 
-def start_gym_serve(tiny_dir: str, runs: Path) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "hanzo_gym.cli", "serve", "--model", tiny_dir, "--port", "0"]
-    command += ["--served-model-name", SERVED_NAME, "--tinker"]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, text=True, env={**os.environ, "HANZO_GYM_RUNS": str(runs)}
-    )
-    line = process.stdout.readline()
-    match = re.search(r"Tinker API on (http://127\.0\.0\.1:\d+) \(TINKER_BASE_URL=", line)
-    assert match, line
-    return process, match.group(1)
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    process.wait(timeout=30)
-
-
 @pytest.mark.slow
 def test_gym_serve_tinker_checkpoints_survive_a_restart(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", "tml-cli-test")
     data = [sdk_datum(s) for s in SENTENCES]
-    process, url = start_gym_serve(tiny_dir, tmp_path / "runs")
+    process, url = start_gym_serve(tiny_dir, tmp_path / "runs", SERVED_NAME)
     try:
         client = (
             tinker.ServiceClient(base_url=url)
@@ -448,7 +428,7 @@ def test_gym_serve_tinker_checkpoints_survive_a_restart(tiny_dir, tmp_path, monk
     run = types.ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id
     assert (tmp_path / "runs" / run / "weights" / "before-restart" / "adapter_config.json").is_file()
 
-    process, url = start_gym_serve(tiny_dir, tmp_path / "runs")
+    process, url = start_gym_serve(tiny_dir, tmp_path / "runs", SERVED_NAME)
     try:
         resumed = (
             tinker.ServiceClient(base_url=url).create_training_client_from_state_with_optimizer(path).result()

@@ -29,7 +29,10 @@ def _preprocess(args: argparse.Namespace) -> None:
     from hanzo_gym.model.hub import load_tokenizer
 
     cfg = load_config(args.config)
-    data = load_examples(cfg, load_tokenizer(cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles))
+    data = load_examples(
+        cfg,
+        load_tokenizer(cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles, cfg.trust_remote_code),
+    )
     print(format_stats(data.stats))
 
 
@@ -39,6 +42,13 @@ def _merge(args: argparse.Namespace) -> None:
 
     destination = merge_run(load_config(args.config), args.out, args.checkpoint)
     print(f"wrote merged model to {destination}")
+
+
+def _vllm_serve(args: argparse.Namespace) -> None:
+    from hanzo_gym.cli.vllm_serve import run_vllm_serve
+    from hanzo_gym.config import load_config
+
+    run_vllm_serve(load_config(args.config), dry_run=args.dry_run)
 
 
 def _synth(args: argparse.Namespace) -> None:
@@ -141,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--verbose", action="store_true", help="log every request")
     serve.set_defaults(handler=_serve)
+
+    vllm_serve = commands.add_parser(
+        "vllm-serve",
+        help="start the vLLM server a GRPO run with `trl.vllm_mode: server` samples from (Axolotl's vllm-serve)",
+    )
+    vllm_serve.add_argument("config", help="the run's YAML file (its base model and `vllm:` block)")
+    vllm_serve.add_argument("--dry-run", action="store_true", help="print the vllm command and exit")
+    vllm_serve.set_defaults(handler=_vllm_serve)
     return parser
 
 

@@ -26,10 +26,22 @@ def adapter_directory(cfg: Config, checkpoint: str | None) -> Path:
 def merged_from(cfg: Config, adapter_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The base model with the adapter in `adapter_dir` folded in, and the run's tokenizer."""
     # Keep the base checkpoint's own dtype so a bf16 model stays bf16 on disk.
-    dtype = getattr(AutoConfig.from_pretrained(resolve_model(cfg.base_model)), "dtype", None) or torch.float32
-    base = load_causal_lm(cfg.base_model, dtype if isinstance(dtype, torch.dtype) else torch.float32)
+    dtype = (
+        getattr(
+            AutoConfig.from_pretrained(
+                resolve_model(cfg.base_model, cfg.trust_remote_code), trust_remote_code=cfg.trust_remote_code
+            ),
+            "dtype",
+            None,
+        )
+        or torch.float32
+    )
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    base = load_causal_lm(cfg.base_model, dtype, trust_remote_code=cfg.trust_remote_code)
     model = merged_model(PeftModel.from_pretrained(base, str(adapter_dir)))
-    return model, load_tokenizer(cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles)
+    return model, load_tokenizer(
+        cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles, cfg.trust_remote_code
+    )
 
 
 def merge_run(cfg: Config, out: str | None = None, checkpoint: str | None = None) -> Path:

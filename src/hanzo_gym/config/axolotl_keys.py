@@ -2,7 +2,7 @@
 "did you mean" rule for keys nobody knows.
 
 A known key gets a sentence naming its feature ("Axolotl's `deepspeed` (DeepSpeed ZeRO sharding) is not
-supported yet"), never a guess at another key: `lora_model_dir` is not a misspelling of `lora_r`. The
+supported yet"), never a guess at another key: `peft_use_dora` is not a misspelling of `peft_use_rslora`. The
 meanings come from Axolotl's schema and the keys its own examples use (reference/axolotl-keys-in-the-wild.md).
 A key written empty, `false`, `[]` or `{}` asks for nothing Axolotl does by default, so it loads.
 """
@@ -23,30 +23,22 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "tokens": ("adding tokens to the vocabulary", "remove it"),
     "eot_tokens": ("end-of-turn tokens for label masking", "remove it; the renderer knows each turn's end"),
     "dataset_prepared_path": ("a folder caching the tokenized datasets", "remove it or leave it empty"),
-    "lora_model_dir": ("starting from an existing LoRA adapter", "remove it or leave it empty"),
     "lora_modules_to_save": ("training whole modules (e.g. embeddings) beside LoRA", "remove it"),
     "peft_use_dora": ("DoRA (weight-decomposed LoRA)", "remove it; vLLM does not serve DoRA adapters"),
-    "trust_remote_code": ("running Python code from the model repository", "use a model transformers has"),
     "load_in_8bit": (
         "a bitsandbytes 8-bit base model",
         "use `adapter: qlora` with `load_in_4bit: true`, or `adapter: lora`",
     ),
-    "eval_sample_packing": ("packing the eval set", "remove it"),
-    "pad_to_sequence_len": ("padding every batch to sequence_len", "remove it"),
-    "group_by_length": ("batching examples of similar length together", "remove it"),
     "early_stopping_patience": ("stopping when the eval loss stops improving", "remove it"),
     "remove_unused_columns": (
         "dropping the dataset columns the trainer does not read",
         "remove it or set it false; a dataset type reads only its own fields",
     ),
-    "dpo_use_weighting": ("WPO: weighting each DPO pair by its probability under the policy", "remove it"),
     "dpo_use_liger_kernel": ("Liger's fused DPO loss kernel", "remove it; the loss is computed in chunks already"),
     "plugins": ("Axolotl plugins (e.g. Cut Cross Entropy)", "remove it"),
-    "strict": ("Axolotl's own strictness flag", "remove it; hanzo-gym always refuses unknown keys"),
     "pretraining_dataset": ("streaming pretraining data", "use a `completion` dataset"),
     "test_datasets": ("separate evaluation datasets", "use `val_set_size`"),
     "skip_prepare_dataset": ("skipping dataset preparation", "remove it"),
-    "vllm": ("a vLLM server for GRPO rollouts", "remove it; rollouts are sampled by the training engine"),
     "fp16": ("float16 mixed precision", "use `bf16` (or `bf16: false` for fp32)"),
     "torch_compile": ("torch.compile of the model", "remove it"),
     "hub_model_id": ("pushing the result to the Hugging Face Hub", "upload the run directory's adapter"),
@@ -69,16 +61,26 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "datasets[].conversation": ("a FastChat conversation template", "use `type: chat_template`"),
     "datasets[].chat_template": ("a chat template for one dataset", "set the top-level `chat_template`"),
     "datasets[].shards": ("training on a shard of the dataset", "use `split` (e.g. train[:10%])"),
+    "trl.vllm_enable_sleep_mode": (
+        "freeing a colocated vLLM's memory while the trainer runs",
+        "remove it; lower `trl.vllm_gpu_memory_utilization` instead",
+    ),
+    "trl.vllm_importance_sampling_correction": (
+        "TRL's importance-ratio correction of the sampler-trainer mismatch",
+        "remove it; `loss_fn: ppo` / `importance_sampling` weight by vLLM's sampled log-probabilities already",
+    ),
+    "trl.vllm_importance_sampling_mode": ("how TRL's mismatch correction clips or masks", "remove it"),
+    "trl.vllm_importance_sampling_cap": ("the cap of TRL's mismatch correction", "remove it"),
+    "trl.vllm_structured_outputs_regex": ("regex-constrained vLLM generation", "remove it"),
+    "trl.vllm_guided_decoding_regex": ("regex-constrained vLLM generation", "remove it"),
     **{
-        f"trl.{key}": ("rollouts on a vLLM server", "remove it; rollouts are sampled by the training engine")
-        for key in (
-            "use_vllm",
-            "vllm_mode",
-            "vllm_server_host",
-            "vllm_server_port",
-            "vllm_server_timeout",
-            "vllm_lora_sync",
-            "vllm_gpu_memory_utilization",
+        f"vllm.{key}": (what, "remove it")
+        for key, what in (
+            ("data_parallel_size", "several vLLM engine replicas"),
+            ("enable_reasoning", "a reasoning parser on the vLLM server"),
+            ("reasoning_parser", "a reasoning parser on the vLLM server"),
+            ("serve_module", "Axolotl's own vLLM serve script"),
+            ("worker_extension_cls", "a vLLM worker extension for NCCL weight sync"),
         )
     },
     "trl.use_data_producer": ("asynchronous rollout production", "remove it"),

@@ -37,6 +37,7 @@ class PreferenceKeys(BaseModel):
     dpo_loss_weights: list[float] | None = None
     rpo_alpha: float | None = Field(None, ge=0)  # weight of the chosen NLL added to DPO (RPO)
     precompute_ref_log_probs: bool = False
+    dpo_use_weighting: bool = False  # WPO: each pair's loss × its policy probability (TRL's `use_weighting`)
     orpo_alpha: float | None = Field(None, gt=0)  # λ of ORPO (TRL's ORPO `beta`, default 0.1)
     simpo_gamma: float = Field(0.5, ge=0)
     cpo_alpha: float = Field(1.0, ge=0)  # weight of the chosen NLL in SimPO (TRL's CPOConfig default)
@@ -65,6 +66,15 @@ class PreferenceKeys(BaseModel):
 def check_preference_keys(cfg) -> None:
     """Cross-key rules of preference training; ValueError with the sentence to show."""
     method = cfg.rl
+    if cfg.dpo_use_weighting and method not in ("dpo", "ipo"):
+        if method not in PREFERENCE_METHODS:
+            raise ValueError(
+                "`dpo_use_weighting` is a preference-training key; it needs `rl: dpo` or `rl: ipo`"
+            )
+        raise ValueError(
+            f"dpo_use_weighting (WPO) applies to rl: dpo or ipo, not rl: {method}: TRL's DPOTrainer has "
+            "`use_weighting`, its ORPO, CPO (SimPO) and KTO trainers have no such option"
+        )
     if method not in PREFERENCE_METHODS:
         used = [key for key in _SET_ONLY_FOR_PREFERENCE if getattr(cfg, key) is not None]
         if used:
@@ -106,6 +116,11 @@ def check_preference_keys(cfg) -> None:
         raise ValueError(f"dpo_label_smoothing applies to rl: dpo (sigmoid), not rl: {method}")
     if cfg.dpo_label_smoothing and "ipo" in cfg.dpo_terms:
         raise ValueError("dpo_label_smoothing does not apply to the ipo loss")
+    if cfg.dpo_use_weighting and "sft" in cfg.dpo_terms:
+        raise ValueError(
+            "dpo_use_weighting with the chosen NLL (rpo_alpha, or dpo_loss_type sft) has no TRL behaviour to "
+            "follow: TRL 1.16's DPOTrainer fails on that combination; drop one of them"
+        )
 
 
 _SET_ONLY_FOR_PREFERENCE = ("dpo_beta", "rpo_alpha", "orpo_alpha", "dpo_loss_type", "dpo_loss_weights")

@@ -20,7 +20,9 @@ from hanzo_gym.config.axolotl_keys import (
     known_path,
 )
 from hanzo_gym.config.preference_keys import KTO_TYPES, PAIR_TYPES, PreferenceKeys, check_preference_keys
+from hanzo_gym.config.run_shape_keys import check_run_shape_keys
 from hanzo_gym.config.tracking import TrackingKeys
+from hanzo_gym.config.vllm_keys import VllmSection, VllmTrlKeys, check_vllm_keys
 from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
 
@@ -98,7 +100,7 @@ class DatasetConfig(_Strict):
         return self.message_property_mappings or MessagePropertyMappings()
 
 
-class TrlConfig(_Strict):
+class TrlConfig(_Strict, VllmTrlKeys):  # the vLLM rollout keys: config/vllm_keys.py
     """GRPO settings under TRL's names (plus Tinker's `loss_fn` and `remove_constant_reward_groups`)."""
 
     num_generations: int = Field(4, ge=2)
@@ -154,6 +156,7 @@ class CheckpointingKwargs(_Strict):
 
 class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tracking.py
     base_model: str
+    trust_remote_code: bool = False  # let transformers run the model repository's own Python code
     tokenizer_config: str | None = None
     special_tokens: SpecialTokens | None = None
     chat_template: str | None = None
@@ -165,6 +168,9 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
     excess_length_strategy: Literal["drop", "truncate", "raise"] = "drop"
     train_on_inputs: bool = False
     sample_packing: bool = False
+    eval_sample_packing: bool | None = None  # None: as sample_packing (Axolotl's rule)
+    pad_to_sequence_len: bool = False  # each SFT row padded to sequence_len tokens (fixed shapes)
+    group_by_length: bool = False  # HF's length-grouped order: mega-batches sorted by length
 
     adapter: Literal["lora", "qlora", "none"]
     load_in_4bit: bool = (
@@ -176,6 +182,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
     peft_use_rslora: bool = False  # rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r
     lora_target_modules: list[str] = []
     lora_target_linear: bool = False
+    lora_model_dir: str | None = None  # start from this PEFT adapter (its own r, alpha and targets)
 
     micro_batch_size: int = Field(1, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
@@ -212,6 +219,9 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
     save_total_limit: int | None = Field(None, ge=1)  # keep only the newest N checkpoints (None: all)
     resume_from_checkpoint: str | bool | None = None
     seed: int = Field(42, ge=0, le=MAX_SEED)
+    # Axolotl's `strict`: whether command-line overrides may add keys the YAML lacks. hanzo-gym takes no
+    # overrides (the YAML is the whole config) and refuses unknown keys either way, so both values load.
+    strict: bool = False
     bf16: Literal["auto", True, False] = "auto"
     tf32: Literal["auto", True, False] | None = None  # CUDA's TF32 matmuls; no effect on a CPU
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] | None = None
@@ -222,6 +232,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
 
     rl: Literal["grpo", "dpo", "ipo", "orpo", "simpo", "kto"] | None = None
     trl: TrlConfig = TrlConfig()
+    vllm: VllmSection | None = None  # Axolotl's `vllm:` block (GRPO rollouts on vLLM)
 
     @field_validator("chat_template")
     @classmethod
@@ -273,6 +284,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
         if isinstance(self.resume_from_checkpoint, str) and not Path(self.resume_from_checkpoint).is_dir():
             raise ValueError(f"resume_from_checkpoint: {self.resume_from_checkpoint} is not a directory")
         check_preference_keys(self)
+        check_vllm_keys(self.trl, self.vllm, self.rl)
+        check_run_shape_keys(self)  # lora_model_dir, the batching keys: config/run_shape_keys.py
         if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:
             raise ValueError(
                 "loss_watchdog_patience needs `loss_watchdog_threshold` (the loss that counts as too high)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -133,12 +134,22 @@ class NextTokenLogits:
         self._model = model
         self._decoder, head = plain if plain is not None else (None, None)
         self._weight = head.weight if head is not None else None
+        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._cache_argument = cache_argument(self._decoder or causal_lm)
 
     def __call__(self, **inputs: torch.Tensor | DynamicCache | bool) -> torch.Tensor:
+        inputs[self._cache_argument] = inputs.pop("cache")
         if self._decoder is None:
             return self._model(**inputs, logits_to_keep=1).logits[:, -1].float()
         hidden = self._decoder(**inputs).last_hidden_state[:, -1]
         return (self._weight @ hidden.T).T.float()
+
+
+def cache_argument(module: torch.nn.Module) -> str:
+    """The name a model's forward takes its KV cache under: `cache` since transformers 5.2x, `past_key_values`
+    before (vLLM's CPU build pins a transformers of that time). A model ignores a name it does not know, and
+    then decodes every step without the tokens before it."""
+    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
 
 
 class GrowingLayer(DynamicLayer):

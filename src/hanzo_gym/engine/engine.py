@@ -23,13 +23,15 @@ from hanzo_gym.engine.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
 from hanzo_gym.engine.optimizers import OptimizerFactory, plain_adamw, state_as_tensors, state_for_optimizer
 from hanzo_gym.engine.prefix_sharing import shared_layout
 from hanzo_gym.engine.sampling import sample_groups
-from hanzo_gym.engine.token_logprobs import token_logprobs
+from hanzo_gym.engine.token_logprobs import token_logprobs, token_logprobs_with_log_sum_sq
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.lora import adapter_weights, set_adapter_weights
 from hanzo_gym.records import AdamParams, Datum, SampledSequence, SamplingParams, TensorData
 
 # per-datum token log-probabilities → (scalar loss, metrics); see Engine.forward_backward_custom
-SequenceLossFn = Callable[[list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+SequenceLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+# per-position values the scoring pass can return beside the log-probabilities (TRL's fused LM head names)
+POSITION_OUTPUTS = ("entropy", "log_sum_sq_probs")
 
 
 @dataclass
@@ -87,13 +89,24 @@ class Engine:
     def forward(self, datums: list[Datum], reference: bool = False) -> list[torch.Tensor]:
         """Per-token log-probabilities of each datum's targets; no gradients, dropout off. `reference=True`
         scores with the adapter disabled: the frozen base model, the reference of a KL penalty."""
+        return self.forward_with(datums, (), reference)[0]
+
+    def forward_with(
+        self, datums: list[Datum], outputs: Sequence[str], reference: bool = False
+    ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+        """`forward`, and per datum the `outputs` named (of POSITION_OUTPUTS: `entropy`, `log_sum_sq_probs`
+        = log Σ_v π(v)²), one value per position, all on the CPU."""
         check_datums(datums)
         logprobs: list[torch.Tensor] = []
+        extras: dict[str, list[torch.Tensor]] = {name: [] for name in _checked_outputs(outputs)}
         with self._scoring(), self._adapter_disabled() if reference else contextlib.nullcontext():
             for group in self._passes(datums):
-                logprobs_N, _ = self._packed_logprobs(group)
-                logprobs.extend(logprobs_N.cpu().split([len(d) for d in group]))
-        return logprobs
+                lengths = [len(d) for d in group]
+                logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras)
+                logprobs.extend(logprobs_N.cpu().split(lengths))
+                for name, per_datum in extras.items():
+                    per_datum.extend(values[name].cpu().split(lengths))
+        return logprobs, extras
 
     def forward_loss(
         self, datums: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
@@ -113,22 +126,27 @@ class Engine:
         return self._scored_passes(datums, loss_fn, loss_fn_config, backward=True)
 
     def forward_backward_custom(
-        self, datums: list[Datum], loss_fn: SequenceLossFn
+        self, datums: list[Datum], loss_fn: SequenceLossFn, outputs: Sequence[str] = ()
     ) -> tuple[float, dict[str, float]]:
         """Accumulate the gradient of `loss_fn` over these datums' per-token log-probabilities, with one forward
         and one backward: for a loss that couples datums (a DPO pair: chosen against rejected), the graph of
         every pass is kept until the loss is known, so memory follows the batch, as in a padded batch.
-        `loss_fn(logprobs)` takes one `[len(datum)]` tensor per datum and returns (scalar loss, metrics).
-        Returns the loss's value and the metrics."""
+        `loss_fn(logprobs)` takes one `[len(datum)]` tensor per datum and returns (scalar loss, metrics); each
+        name in `outputs` (see `forward_with`) comes as a keyword argument, one `[len(datum)]` tensor per datum
+        without gradient. Returns the loss's value and the metrics."""
         if not self.trainable:
             raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
         check_datums(datums)
         self.model.train()
         logprobs: list[torch.Tensor] = []
+        extras: dict[str, list[torch.Tensor]] = {name: [] for name in _checked_outputs(outputs)}
         for group in self._passes(datums):
-            logprobs_N, _ = self._packed_logprobs(group)
-            logprobs.extend(logprobs_N.split([len(d) for d in group]))
-        loss, metrics = loss_fn(logprobs)
+            lengths = [len(d) for d in group]
+            logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras)
+            logprobs.extend(logprobs_N.split(lengths))
+            for name, per_datum in extras.items():
+                per_datum.extend(values[name].split(lengths))
+        loss, metrics = loss_fn(logprobs, **extras)
         loss.backward()
         return loss.item(), metrics
 
@@ -146,7 +164,8 @@ class Engine:
         for group in self._passes(datums):
             keys = [*REQUIRED_INPUTS[loss_fn], *(k for k in OPTIONAL_INPUTS if k in group[0].loss_fn_inputs)]
             inputs = {key: self._concat(group, key, torch.float32) for key in keys}
-            logprobs_N, entropy_N = self._packed_logprobs(group)
+            logprobs_N, values = self._packed_logprobs(group)
+            entropy_N = values["entropy"]
             loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
             if backward:
                 loss.backward()
@@ -254,10 +273,24 @@ class Engine:
     def _concat(self, datums: list[Datum], key: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.cat([_as_tensor(d.loss_fn_inputs[key], dtype, len(d)) for d in datums]).to(self.device)
 
-    def _packed_logprobs(self, datums: list[Datum]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _packed_logprobs(
+        self, datums: list[Datum], log_sum_sq_probs: bool = False
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
-        blocks that never cross datums (it infers them only when no cache is passed)."""
+        blocks that never cross datums (it infers them only when no cache is passed). The log-probabilities
+        `[N]` and, by name, the per-position `entropy` (and `log_sum_sq_probs` when asked)."""
+        hidden = self._packed_hidden(datums)
         targets = self._concat(datums, "target_tokens", torch.long)
+        if log_sum_sq_probs:
+            logprobs_N, entropy_N, log_sum_sq_N = token_logprobs_with_log_sum_sq(
+                hidden, self._output_weight, targets, self.logprob_chunk
+            )
+            return logprobs_N, {"entropy": entropy_N, "log_sum_sq_probs": log_sum_sq_N}
+        logprobs_N, entropy_N = token_logprobs(hidden, self._output_weight, targets, self.logprob_chunk)
+        return logprobs_N, {"entropy": entropy_N}
+
+    def _packed_hidden(self, datums: list[Datum]) -> torch.Tensor:
+        """The decoder's last hidden states `[N, H]` of all datums' positions, one packed row."""
         shared = (
             shared_layout([d.model_input.to_ints() for d in datums], self.device)
             if self.packs_datums
@@ -270,15 +303,14 @@ class Engine:
                 attention_mask=shared.mask[None, None],
                 use_cache=False,
             )
-            hidden = output.last_hidden_state[0].index_select(0, shared.index)
-            return token_logprobs(hidden, self._output_weight, targets, self.logprob_chunk)
+            return output.last_hidden_state[0].index_select(0, shared.index)
         tokens = torch.tensor([t for d in datums for t in d.model_input.to_ints()], device=self.device)
         positions = torch.cat([torch.arange(len(d), device=self.device) for d in datums])[None]
         # A lone datum takes the model's own default positions (some, like OPT, offset them internally).
         output = self._decoder(
             input_ids=tokens[None], position_ids=positions if len(datums) > 1 else None, use_cache=False
         )
-        return token_logprobs(output.last_hidden_state[0], self._output_weight, targets, self.logprob_chunk)
+        return output.last_hidden_state[0]
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Clip (when asked), take one AdamW step with these parameters, and clear the gradients.
@@ -304,6 +336,13 @@ class Engine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": adam.learning_rate}
+
+
+def _checked_outputs(outputs: Sequence[str]) -> tuple[str, ...]:
+    unknown = [name for name in outputs if name not in POSITION_OUTPUTS]
+    if unknown:
+        raise GymError(f"unknown output `{unknown[0]}`; choose from {', '.join(POSITION_OUTPUTS)}")
+    return tuple(dict.fromkeys(outputs))
 
 
 def default_tokens_per_pass(device: torch.device) -> int:

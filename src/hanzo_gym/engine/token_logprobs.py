@@ -2,8 +2,9 @@
 
 The output projection is applied in chunks of positions. The forward pass keeps only the hidden states and one
 log-sum-exp per position; the backward pass recomputes each chunk's logits and touches only positions whose
-incoming gradient is non-zero (in SFT that skips every prompt token). `prompt_logprobs` scores a whole sequence
-with the same chunking, for `echo` on /v1/completions (a prompt's own log-probabilities and top alternatives).
+incoming gradient is non-zero (in SFT that skips every prompt token). The same chunks give, on request, each
+position's log Σ_v π(v)² (WPO's weights). `prompt_logprobs` scores a whole sequence with the same chunking, for
+`echo` on /v1/completions (a prompt's own log-probabilities and top alternatives).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ DEFAULT_CHUNK = 1024
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, chunk):
+    def forward(ctx, hidden_NH, weight_VH, targets_N, chunk, with_log_sum_sq):
         n = hidden_NH.shape[0]
         logprobs_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
         logsumexp_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
         entropy_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
+        log_sum_sq_N = torch.empty(n if with_log_sum_sq else 0, dtype=torch.float32, device=hidden_NH.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = (hidden_NH[start:end] @ weight_VH.T).float()
@@ -32,13 +34,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logprobs_N[start:end] = picked - lse
             # H = lse − Σ p·logits
             entropy_N[start:end] = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
+            if with_log_sum_sq:
+                # log Σ e^{2s} − 2 log Σ e^{s} on s = logits − max, as TRL's kernel computes it: exp(logits − lse)
+                # would carry lse's rounding (an ulp of the logits' size) into every term
+                shifted = torch.exp(logits - logits.amax(-1, keepdim=True))
+                log_sum_sq_N[start:end] = shifted.square().sum(-1).log() - 2 * shifted.sum(-1).log()
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, logsumexp_N)
         ctx.chunk = chunk
-        ctx.mark_non_differentiable(entropy_N)
-        return logprobs_N, entropy_N
+        ctx.mark_non_differentiable(entropy_N, log_sum_sq_N)
+        return logprobs_N, entropy_N, log_sum_sq_N
 
     @staticmethod
-    def backward(ctx, grad_N, _grad_entropy):
+    def backward(ctx, grad_N, _grad_entropy, _grad_log_sum_sq):
         hidden_NH, weight_VH, targets_N, logsumexp_N = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden_NH) if need_hidden else None
@@ -62,7 +69,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_weight += (grad_logits.T @ h).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight_VH.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def token_logprobs(
@@ -70,7 +77,16 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ weightᵀ)[target] per position in fp32 (differentiable w.r.t. hidden and weight),
     and the entropy of each position's distribution (not differentiable)."""
-    return _ChunkedTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk)
+    logprobs_N, entropy_N, _ = _ChunkedTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk, False)
+    return logprobs_N, entropy_N
+
+
+def token_logprobs_with_log_sum_sq(
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int = DEFAULT_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`token_logprobs`, plus log Σ_v π(v)² of each position's distribution in fp32, not differentiable: the
+    alignment term of WPO's weights (TRL's `log_sum_sq_probs`), from the same chunks of logits."""
+    return _ChunkedTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk, True)
 
 
 def plain_output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:

@@ -43,6 +43,7 @@ from hanzo_gym.rewards import (
     parse_reward,
     score_completions,
 )
+from hanzo_gym.rollout import RolloutSampler, rollout_sampler
 
 RANK_SEED_STRIDE = 1_000_000_007  # rank r samples with seed + r·stride: no two processes share a stream
 
@@ -102,14 +103,19 @@ def _scored(
 
 
 def evaluate_rewards(
-    engine: Engine, prompts: list[Prompt], reward_fns: list[RewardFunction], cfg: Config
+    engine: Engine,
+    prompts: list[Prompt],
+    reward_fns: list[RewardFunction],
+    cfg: Config,
+    sampler: RolloutSampler | None = None,
 ) -> dict[str, float]:
     """Greedy completions of held-out prompts: mean reward, and accuracy = the share whose reward is > 0."""
     rewards: list[float] = []
     mine = shard(prompts)
+    sample = (sampler or engine).sample
     for start in range(0, len(mine), 64):
         batch = mine[start : start + 64]
-        groups = engine.sample([p.tokens for p in batch], 1, _sampling(cfg, cfg.seed, greedy=True))
+        groups = sample([p.tokens for p in batch], 1, _sampling(cfg, cfg.seed, greedy=True))
         flat = [c for group in _completions(engine, batch, groups) for c in group]
         totals, _ = _scored(reward_fns, cfg.trl.reward_weights or None, flat, "scoring the held-out prompts")
         rewards += totals
@@ -151,6 +157,23 @@ def train_grpo(
     run: RunDir,
     resume_from: Path | None = None,
 ) -> GrpoResult:
+    """GRPO over `train`, rollouts sampled where `cfg.trl` says (the engine, or vLLM)."""
+    sampler = rollout_sampler(engine, cfg, run.path / "vllm-policy")
+    try:
+        return _train(engine, cfg, train, val, run, resume_from, sampler)
+    finally:
+        sampler.close()
+
+
+def _train(
+    engine: Engine,
+    cfg: Config,
+    train: list[Prompt],
+    val: list[Prompt],
+    run: RunDir,
+    resume_from: Path | None,
+    sampler: RolloutSampler,
+) -> GrpoResult:
     trl = cfg.trl
     reward_fns = [parse_reward(spec) for spec in trl.reward_funcs]
     weights = trl.reward_weights or None
@@ -163,6 +186,8 @@ def train_grpo(
         "seed": cfg.seed,
         "micro_batch_size": prompts_per_step,
     }
+    if trl.use_vllm and rank() == 0:
+        print(f"rollouts: {sampler.name}", flush=True)
     tail = LoopTail(
         engine,
         cfg,
@@ -170,7 +195,7 @@ def train_grpo(
         plan,
         total,
         resume_from,
-        evaluate=(lambda: evaluate_rewards(engine, val, reward_fns, cfg)) if val else None,
+        evaluate=(lambda: evaluate_rewards(engine, val, reward_fns, cfg, sampler)) if val else None,
         row=lambda window: {**window.means(), "lr": window.last["lr"]},
         line=lambda row: (
             f"step {row['step']}/{total} reward {row['reward']:.4f} reward_std {row['reward_std']:.4f} "
@@ -191,7 +216,7 @@ def train_grpo(
             seed = cfg.seed * 1_000_003 + step + rank() * RANK_SEED_STRIDE
             # (a process can be left without prompts in an epoch's last, short step)
             samples_P_G = (
-                engine.sample([p.tokens for p in prompts_P], trl.num_generations, _sampling(cfg, seed))
+                sampler.sample([p.tokens for p in prompts_P], trl.num_generations, _sampling(cfg, seed))
                 if prompts_P
                 else []
             )
@@ -218,6 +243,7 @@ def train_grpo(
             for iteration in range(trl.num_iterations if has_signal else 0):
                 out = engine.forward_backward(batch.datums, trl.loss_fn, _loss_config(cfg))
                 stats = engine.optim_step(adam)
+                sampler.policy_changed()
                 if iteration == 0:
                     train_metrics = _train_metrics(out, rollouts, batch, cfg)
                     train_metrics.update(loss=out.loss_sum, grad_norm=stats["grad_norm"])

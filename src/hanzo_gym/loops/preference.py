@@ -11,7 +11,9 @@ adapter disabled (no second model in memory). An item's reference log-probabilit
 computed once per item and kept: for every item before the first step with `precompute_ref_log_probs`, else when
 the item is first trained or evaluated. KTO's KL term pairs each prompt of a micro-batch with the completion of
 the item before it (TRL's rotation by one within the batch); those mismatched sequences are scored without
-gradient by the policy and the reference. SimPO and ORPO need no reference.
+gradient by the policy and the reference. SimPO and ORPO need no reference. With `dpo_use_weighting` (WPO) the
+engine's scoring pass also returns each position's log Σ_v π(v)² under the policy, from the same chunks of logits,
+and each pair's loss is weighted by w_c·w_r, w = exp(mean over the completion of log π(y_t) − log Σ_v π(v)²).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def _completion_sum(logprobs: torch.Tensor, prompt_length: int) -> torch.Tensor:
     return logprobs[prompt_length - 1 :].sum()
 
 
+def _method_outputs(cfg: Config) -> tuple[str, ...]:
+    """What the loss needs from the scoring pass besides the log-probs (Engine.forward_with's `outputs`)."""
+    return ("log_sum_sq_probs",) if cfg.dpo_use_weighting else ()
+
+
 class _Scores:
     """Summed completion log-probs per item, computed once by `score(indices)` and kept."""
 
@@ -82,8 +89,13 @@ class PairMethod:
         self.beta = cfg.preference_beta
         extra = {"orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"), "simpo": ("nll_loss",)}
         with_nll = cfg.rl == "dpo" and "sft" in cfg.dpo_terms
-        self.metric_names = ("loss", *pl.PAIR_METRIC_NAMES, *extra.get(cfg.rl, ("nll_loss",) if with_nll else ()))
+        self.metric_names = (
+            "loss",
+            *pl.PAIR_METRIC_NAMES,
+            *extra.get(cfg.rl, ("nll_loss",) if with_nll else ()),
+        )
         self.reference = _Scores(self._reference_sums) if cfg.rl in ("dpo", "ipo") else None
+        self.outputs = _method_outputs(cfg)
 
     def _reference_sums(self, indices: Sequence[int]) -> list[torch.Tensor]:
         pairs = [self.items[i] for i in indices]
@@ -109,7 +121,15 @@ class PairMethod:
         """What the loss needs besides the policy's log-probs: the reference sums `[2, B]` (DPO, IPO)."""
         return self.reference.of(batch).T if self.reference else None
 
-    def loss(self, batch: Sequence[int], logprobs: Sequence[torch.Tensor], reference) -> pl.PreferenceLoss:
+    def loss(
+        self,
+        batch: Sequence[int],
+        logprobs: Sequence[torch.Tensor],
+        reference,
+        log_sum_sq_probs: Sequence[torch.Tensor] | None = None,
+    ) -> pl.PreferenceLoss:
+        """TRL's loss on the micro-batch `batch` from the policy's per-token log-probs, one tensor per datum;
+        with WPO also each datum's per-position log Σ_v π(v)² (`log_sum_sq_probs`)."""
         cfg = self.cfg
         pairs = [self.items[i] for i in batch]
         policy = self._sums(logprobs, pairs)
@@ -126,6 +146,13 @@ class PairMethod:
             return pl.orpo_loss(*policy, *lengths, -whole.mean(), orpo_alpha=self.beta)
         terms = cfg.dpo_terms
         main = "ipo" if "ipo" in terms else "sigmoid"
+        wpo = {}
+        if cfg.dpo_use_weighting:
+            if log_sum_sq_probs is None:
+                raise ValueError("dpo_use_weighting needs the policy's log_sum_sq_probs of every datum")
+            aligned = [lp - lss for lp, lss in zip(logprobs, log_sum_sq_probs, strict=True)]
+            chosen_wpo, rejected_wpo = self._sums(aligned, pairs)
+            wpo = {"chosen_wpo_logps_B": chosen_wpo, "rejected_wpo_logps_B": rejected_wpo}
         result = pl.dpo_loss(
             *policy,
             *reference,
@@ -134,6 +161,7 @@ class PairMethod:
             label_smoothing=cfg.dpo_label_smoothing,
             chosen_lengths_B=lengths[0],
             rejected_lengths_B=lengths[1],
+            **wpo,
         )
         loss, metrics = terms[main] * result.loss, dict(result.metrics)
         if "sft" in terms:
@@ -146,6 +174,7 @@ class KtoMethod:
     """KTO over unpaired examples: datums [x₀ + y₀, x₁ + y₁, …]; the KL batch is [x₀ + y_{B−1}, x₁ + y₀, …]."""
 
     metric_names = ("loss", "kl", *(name for name in pl.PAIR_METRIC_NAMES if name != "rewards/accuracies"))
+    outputs = ()
 
     def __init__(self, cfg: Config, engine: Engine, examples: Sequence[KtoExample]):
         self.cfg, self.engine, self.items = cfg, engine, examples
@@ -244,7 +273,8 @@ def evaluate(method: PairMethod | KtoMethod, micro_batch_size: int) -> dict[str,
     sums = _MetricSums()
     for batch in shard(batches):
         prepared = method.prepare(batch)
-        scored = method.loss(batch, method.engine.forward(method.datums(batch)), prepared)
+        logprobs, extras = method.engine.forward_with(method.datums(batch), method.outputs)
+        scored = method.loss(batch, logprobs, prepared, **extras)
         sums.add({"loss": scored.loss.item(), **scored.metrics})
     means, _ = sums.means_across(method.metric_names)
     return {f"eval/{key}": value for key, value in means.items()}
@@ -288,7 +318,7 @@ def train_preference(
             tokens = 0
             for batch in shard(window):
                 loss_fn = partial(_share_of_step, method, batch, method.prepare(batch), len(window))
-                sums.add(engine.forward_backward_custom(method.datums(batch), loss_fn)[1])
+                sums.add(engine.forward_backward_custom(method.datums(batch), loss_fn, method.outputs)[1])
                 tokens += sum(train[i].tokens for i in batch)
             values, (tokens,) = sums.means_across(method.metric_names, float(tokens))
             stats = engine.optim_step(adam_params(cfg, tail.step, total))
@@ -307,11 +337,11 @@ def train_preference(
 
 
 def _share_of_step(
-    method: PairMethod | KtoMethod, batch: Sequence[int], prepared, micro_batches: int, logprobs
+    method: PairMethod | KtoMethod, batch: Sequence[int], prepared, micro_batches: int, logprobs, **extras
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's part of the step's loss (its TRL loss over the step's micro-batch count), and its
-    metrics."""
-    scored = method.loss(batch, logprobs, prepared)
+    metrics; `extras` are the method's `outputs` of the scoring pass."""
+    scored = method.loss(batch, logprobs, prepared, **extras)
     return scored.loss / micro_batches, {"loss": scored.loss.item(), **scored.metrics}
 
 

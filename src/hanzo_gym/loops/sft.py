@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hanzo_gym.config import Config
-from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
+from hanzo_gym.data.batching import (
+    epoch_order,
+    length_grouped_order,
+    micro_batches,
+    packed_rows,
+    padding_datum,
+    supervised_datum,
+)
 from hanzo_gym.data.example import Example
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine.distributed import shard, sum_across, world_size
@@ -25,6 +32,7 @@ from hanzo_gym.loops.checkpoint import adapter_fingerprint
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import adam_params
 from hanzo_gym.loops.tail import LoopTail, StepPlace, StepWindow, planned_steps
+from hanzo_gym.records import Datum
 
 
 @dataclass
@@ -36,7 +44,12 @@ class SftResult:
 def _windows(cfg: Config, train: list[Example], epoch: int) -> list[list[list[int]]]:
     lengths = [len(example) for example in train]
     pack_to = cfg.sequence_len if cfg.sample_packing else None
-    batches = micro_batches(lengths, epoch_order(len(train), cfg.seed, epoch), cfg.micro_batch_size, pack_to)
+    if cfg.group_by_length:  # HF's sampler, over its batch: micro_batch_size × gradient_accumulation_steps
+        batch_size = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+        order = length_grouped_order(lengths, batch_size, cfg.seed, epoch)
+    else:
+        order = epoch_order(len(train), cfg.seed, epoch)
+    batches = micro_batches(lengths, order, cfg.micro_batch_size, pack_to)
     accum = cfg.gradient_accumulation_steps * world_size()
     return [batches[i : i + accum] for i in range(0, len(batches), accum)]
 
@@ -52,17 +65,48 @@ def _plan_fingerprint(cfg: Config, train: list[Example]) -> dict:
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps * world_size(),
         "sample_packing": cfg.sample_packing,
         "sequence_len": cfg.sequence_len,
+        # Only when set, so that checkpoints written before the key existed still resume.
+        **({"group_by_length": True} if cfg.group_by_length else {}),
     }
 
 
-def evaluate(engine: Engine, examples: list[Example], micro_batch_size: int) -> float:
+def batch_datums(
+    examples: list[Example], weight: float, pad_to: int | None, pack: bool, pad_id: int | None
+) -> list[Datum]:
+    """A micro-batch's datums. With `pad_to` (pad_to_sequence_len) each row (one example, or a packed row
+    of several) is followed by pad tokens up to `pad_to` tokens, trained on nothing: the shape of Axolotl's
+    batch padded to sequence_len, whatever the examples' lengths."""
+    datums = [supervised_datum(example, weight) for example in examples]
+    if pad_to is None:
+        return datums
+    lengths = [len(example) for example in examples]
+    padded: list[Datum] = []
+    for row in packed_rows(lengths, list(range(len(examples))), pad_to if pack else None):
+        padded += [datums[i] for i in row]
+        used = sum(len(datums[i]) for i in row)
+        if used < pad_to:
+            padded.append(padding_datum(pad_to - used, pad_id or 0))
+    return padded
+
+
+def evaluate(
+    engine: Engine,
+    examples: list[Example],
+    micro_batch_size: int,
+    pack_to: int | None = None,
+    pad_to: int | None = None,
+) -> float:
     """Mean next-token NLL over every trained token of `examples` (no update, dropout off); under torchrun
-    each process scores its share and the sums are added up."""
+    each process scores its share and the sums are added up. `pack_to` (eval_sample_packing): micro-batches
+    of packed rows, as in training; `pad_to` (pad_to_sequence_len): rows padded to that many tokens. Neither
+    changes the result: the mean is over tokens, and packed or padded datums never attend to each other."""
     nll, count = 0.0, 0
     mine = shard(examples)
-    for start in range(0, len(mine), micro_batch_size):
-        batch = mine[start : start + micro_batch_size]
-        datums = [supervised_datum(e, 1.0) for e in batch]
+    lengths = [len(example) for example in mine]
+    pad_id = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
+    for indices in micro_batches(lengths, list(range(len(mine))), micro_batch_size, pack_to):
+        batch = [mine[i] for i in indices]
+        datums = batch_datums(batch, 1.0, pad_to, pack_to is not None, pad_id)
         for datum, logprobs in zip(datums, engine.forward(datums)):
             weights = datum.loss_fn_inputs["weights"].data
             nll -= sum(lp for lp, w in zip(logprobs.tolist(), weights) if w)
@@ -80,6 +124,10 @@ def train_sft(
     resume_from: Path | None = None,
 ) -> SftResult:
     total, epochs = planned_steps(cfg, len(_windows(cfg, train, 0)))  # max_steps: as long as it says
+    pad_to = cfg.sequence_len if cfg.pad_to_sequence_len else None
+    pad_id = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
+    # Axolotl packs the eval set when sample_packing does, unless eval_sample_packing is false
+    eval_pack = cfg.sequence_len if cfg.sample_packing and cfg.eval_sample_packing is not False else None
     tail = LoopTail(
         engine,
         cfg,
@@ -87,7 +135,9 @@ def train_sft(
         _plan_fingerprint(cfg, train),
         total,
         resume_from,
-        evaluate=(lambda: {"eval/loss": evaluate(engine, val, cfg.micro_batch_size)}) if val else None,
+        evaluate=(lambda: {"eval/loss": evaluate(engine, val, cfg.micro_batch_size, eval_pack, pad_to)})
+        if val
+        else None,
         row=_logged_row,
         line=lambda row: (
             f"step {row['step']}/{total} loss {row['loss']:.4f} lr {row['lr']:.3e} "
@@ -104,7 +154,9 @@ def train_sft(
             trained = sum(train[i].trained_tokens for batch in window for i in batch)  # all processes'
             window_nll = window_tokens = 0.0
             for batch in shard(window) if trained else []:
-                datums = [supervised_datum(train[i], 1.0 / trained) for i in batch]
+                datums = batch_datums(
+                    [train[i] for i in batch], 1.0 / trained, pad_to, cfg.sample_packing, pad_id
+                )
                 window_nll += engine.forward_backward(datums, "cross_entropy").loss_sum * trained
                 window_tokens += sum(len(train[i]) for i in batch)
             window_nll, window_tokens = sum_across(window_nll, window_tokens)

@@ -31,9 +31,9 @@ from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.sft import SftResult, train_sft
 from hanzo_gym.loops.tail import check_finite_adapter
 from hanzo_gym.loops.trackers import open_trackers
-from hanzo_gym.model.hub import choose_precision, load_causal_lm, load_tokenizer
+from hanzo_gym.model.hub import choose_precision, load_causal_lm, load_tokenizer, resolve_adapter
 from hanzo_gym.model.loader_keys import apply_tf32, attention_kernel, check_loader_class
-from hanzo_gym.model.lora import attach_lora
+from hanzo_gym.model.lora import attach_lora, linear_module_names, load_trainable_lora, read_adapter_config
 
 
 def build_engine(
@@ -44,7 +44,12 @@ def build_engine(
         if note and is_main():
             print(note, flush=True)
     model = load_causal_lm(
-        cfg.base_model, dtype, load_in_4bit=cfg.load_in_4bit, device=device, attn_implementation=attention
+        cfg.base_model,
+        dtype,
+        load_in_4bit=cfg.load_in_4bit,
+        device=device,
+        attn_implementation=attention,
+        trust_remote_code=cfg.trust_remote_code,
     )
     check_loader_class("model_type", cfg.model_type, model, cfg.base_model)
     if cfg.load_in_4bit:
@@ -59,13 +64,49 @@ def build_engine(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = "all-linear" if cfg.lora_target_linear else cfg.lora_target_modules
-    peft_model = attach_lora(
-        model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, cfg.base_model, cfg.peft_use_rslora
-    )
+    if cfg.lora_model_dir is not None:
+        directory = resolve_adapter(cfg.lora_model_dir)
+        note = starting_adapter_note(cfg, directory, model)
+        peft_model = load_trainable_lora(model, directory, cfg.base_model)
+        if note and is_main():
+            print(note, flush=True)
+    else:
+        peft_model = attach_lora(
+            model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, cfg.base_model, cfg.peft_use_rslora
+        )
     optimizer_factory, fallback_note = build_optimizer_factory(cfg.optimizer, device)
     if fallback_note and is_main():
         print(fallback_note, flush=True)
     return Engine(peft_model, tokenizer, optimizer_factory=optimizer_factory)
+
+
+def starting_adapter_note(cfg: Config, directory: Path, model: torch.nn.Module) -> str | None:
+    """`lora_model_dir`: the adapter directory's own r, alpha, targets, dropout and rsLoRA govern, as in
+    Axolotl (PEFT loads the saved adapter_config.json); a line naming each lora_* value of the config that
+    differs from the directory's, so that no written key goes unused without a word."""
+    saved = read_adapter_config(directory)
+    targets = linear_module_names(model) if cfg.lora_target_linear else cfg.lora_target_modules
+    pairs = {
+        "lora_r": (cfg.lora_r, saved.r),
+        "lora_alpha": (cfg.lora_alpha, saved.lora_alpha),
+        "lora_dropout": (cfg.lora_dropout, saved.lora_dropout),
+        "peft_use_rslora": (cfg.peft_use_rslora, bool(saved.use_rslora)),
+        "lora_target_modules": (sorted(targets), sorted(saved.target_modules or [])),
+    }
+    written = cfg.model_fields_set | (
+        {"lora_target_modules"} if "lora_target_linear" in cfg.model_fields_set else set()
+    )
+    differ = [
+        f"{key} {mine} (the adapter's: {theirs})"
+        for key, (mine, theirs) in pairs.items()
+        if key in written and mine != theirs
+    ]
+    if not differ:
+        return None
+    return (
+        f"lora_model_dir {cfg.lora_model_dir}: training continues with the adapter's own settings, as in "
+        f"Axolotl; the config's {', '.join(differ)} do not apply"
+    )
 
 
 def resume_point(cfg: Config, run: RunDir) -> Path | None:
@@ -90,8 +131,12 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     device, dtype = precision.device, precision.dtype
     if is_main():
         print(precision.describe(), flush=True)  # the run's first line: what it computes in, and why
-    tokenizer = load_tokenizer(cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles)
-    check_loader_class("tokenizer_type", cfg.tokenizer_type, tokenizer, cfg.tokenizer_config or cfg.base_model)
+    tokenizer = load_tokenizer(
+        cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles, cfg.trust_remote_code
+    )
+    check_loader_class(
+        "tokenizer_type", cfg.tokenizer_type, tokenizer, cfg.tokenizer_config or cfg.base_model
+    )
     if cfg.rl == "grpo":
         data = load_prompts(cfg, tokenizer)
         what = "prompts"

@@ -59,6 +59,9 @@ MODEL_PATTERNS = [
     *TOKENIZER_PATTERNS,
 ]
 
+# A repository's own modeling / tokenizer code, fetched only with trust_remote_code.
+REMOTE_CODE_PATTERNS = ["*.py"]
+
 # A conversion takes well under a minute; a temp dir this old was left by a crashed converter.
 STALE_PARTIAL_SECONDS = 3600
 
@@ -160,10 +163,12 @@ def real_model_gguf() -> Path:
     )
 
 
-def resolve_model(base_model: str) -> Path:
+def resolve_model(base_model: str, trust_remote_code: bool = False) -> Path:
     """Return a local Hugging Face model directory (config.json + safetensors + tokenizer files)
-    for base_model: the directory itself, the de-quantised cache entry of a .gguf file, or a hub snapshot."""
-    model_dir = _resolve(base_model, required_files=("config.json",), hub_patterns=MODEL_PATTERNS)
+    for base_model: the directory itself, the de-quantised cache entry of a .gguf file, or a hub snapshot
+    (with the repository's Python files when `trust_remote_code`)."""
+    patterns = [*MODEL_PATTERNS, *REMOTE_CODE_PATTERNS] if trust_remote_code else MODEL_PATTERNS
+    model_dir = _resolve(base_model, required_files=("config.json",), hub_patterns=patterns)
     _read_model_config(base_model, model_dir)  # before transformers reads it and fails with a traceback
     return model_dir
 
@@ -183,21 +188,26 @@ def _read_model_config(base_model: str, model_dir: Path) -> dict:
 
 
 def load_tokenizer(
-    base_model: str, tokenizer_config: str | None = None, special_tokens: dict[str, str] | None = None
+    base_model: str,
+    tokenizer_config: str | None = None,
+    special_tokens: dict[str, str] | None = None,
+    trust_remote_code: bool = False,
 ) -> transformers.PreTrainedTokenizerBase:
     """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from base_model, with
-    Axolotl's `special_tokens` (role → token text, e.g. {"eos_token": "<|eot_id|>"}) set."""
+    Axolotl's `special_tokens` (role → token text, e.g. {"eos_token": "<|eot_id|>"}) set. `trust_remote_code`
+    lets a tokenizer class defined in the repository's own Python files load (transformers runs that code)."""
     if tokenizer_config is None:
-        source, name = resolve_model(base_model), base_model
+        source, name = resolve_model(base_model, trust_remote_code), base_model
     else:
-        source = _resolve(tokenizer_config, required_files=TOKENIZER_FILES, hub_patterns=TOKENIZER_PATTERNS)
+        patterns = [*TOKENIZER_PATTERNS, *REMOTE_CODE_PATTERNS] if trust_remote_code else TOKENIZER_PATTERNS
+        source = _resolve(tokenizer_config, required_files=TOKENIZER_FILES, hub_patterns=patterns)
         name = tokenizer_config
     if not any((source / file).is_file() for file in TOKENIZER_FILES):
         raise ModelError(
             f"`{name}` ({source}) has no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
             "set tokenizer_config to a directory or hub repo that has them"
         )
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     vocabulary = tokenizer.get_vocab()
     for role, text in (special_tokens or {}).items():
         if text not in vocabulary:
@@ -222,13 +232,18 @@ def load_causal_lm(
     load_in_4bit: bool = False,
     device: torch.device | None = None,
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> transformers.PreTrainedModel:
     """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
     linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; the output layer stays
-    in `dtype`. `attn_implementation` picks transformers' attention kernel (its default, sdpa, when None)."""
-    model_dir = resolve_model(base_model)
-    _check_causal_lm_architecture(base_model, model_dir)
+    in `dtype`. `attn_implementation` picks transformers' attention kernel (its default, sdpa, when None).
+    `trust_remote_code` (Axolotl's key, passed to from_pretrained as Axolotl does) lets a model whose
+    config.json maps AutoModelForCausalLM to the repository's own Python code load: transformers runs it."""
+    model_dir = resolve_model(base_model, trust_remote_code)
+    _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
     placement: dict = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if trust_remote_code:
+        placement["trust_remote_code"] = True
     if load_in_4bit:
         placement["quantization_config"] = _four_bit_config(dtype)
         if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
@@ -293,10 +308,20 @@ def _four_bit_config(compute_dtype: torch.dtype) -> transformers.BitsAndBytesCon
     )
 
 
-def _check_causal_lm_architecture(base_model: str, model_dir: Path) -> None:
+def _check_causal_lm_architecture(base_model: str, model_dir: Path, trust_remote_code: bool = False) -> None:
     """Turn transformers' errors for unknown or non-causal architectures into one clear message."""
     config_path = model_dir / "config.json"
-    model_type = _read_model_config(base_model, model_dir).get("model_type")
+    config = _read_model_config(base_model, model_dir)
+    model_type = config.get("model_type")
+    auto_map = config.get("auto_map")
+    if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
+        if trust_remote_code:
+            return  # the repository's own causal LM class: transformers loads (and runs) it
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ModelError(
+                f"base_model `{base_model}` defines its causal LM in its own Python code (auto_map in "
+                f"{config_path}); set `trust_remote_code: true` to run that code, if you trust the repository"
+            )
     supported = (
         f"supported: any causal LM architecture built into transformers {transformers.__version__} "
         f"({len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} model_types, e.g. llama, qwen2, qwen3, mistral, gemma3, "
@@ -312,6 +337,18 @@ def _check_causal_lm_architecture(base_model: str, model_dir: Path) -> None:
             f"base_model `{base_model}` has model_type `{model_type}` ({config_path}), "
             f"which is not a causal language model; {supported}"
         )
+
+
+def resolve_adapter(name: str) -> Path:
+    """`lora_model_dir`: a local PEFT adapter directory, or a hub repo id of one (from the cache when offline)."""
+    try:
+        return _resolve(
+            name,
+            required_files=("adapter_config.json",),
+            hub_patterns=["adapter_config.json", "*.safetensors"],
+        )
+    except ModelError as error:  # its sentences speak of base_model
+        raise ModelError(str(error).replace("base_model", "lora_model_dir")) from None
 
 
 def _resolve(name: str, required_files: tuple[str, ...], hub_patterns: list[str]) -> Path:

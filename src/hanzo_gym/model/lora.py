@@ -54,6 +54,40 @@ def attach_lora(
     return peft_model
 
 
+def load_trainable_lora(model: PreTrainedModel, directory: str | Path, base_model_name: str) -> PeftModel:
+    """Axolotl's `lora_model_dir`: wrap `model` with the adapter saved in `directory`, trainable, as Axolotl
+    does (PeftModel.from_pretrained(..., is_trainable=True)). The directory's adapter_config.json governs the
+    adapter's shape (r, alpha, targets, dropout, rsLoRA), not the config's lora_* keys."""
+    config = read_adapter_config(directory)  # a clear error for a directory that holds no LoRA adapter
+    extras = [
+        name
+        for name, present in (
+            ("modules_to_save", bool(config.modules_to_save)),
+            ("use_dora", bool(config.use_dora)),
+            (f"bias: {config.bias}", config.bias != "none"),
+        )
+        if present
+    ]
+    if extras:
+        raise ModelError(
+            f"lora_model_dir {directory}: the adapter has {', '.join(extras)}, which hanzo-gym does not train "
+            "(vLLM refuses such adapters); start from a plain LoRA adapter"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = PeftModel.from_pretrained(
+                model, str(directory), is_trainable=True, autocast_adapter_dtype=True
+            )
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise ModelError(
+            f"lora_model_dir {directory}: the adapter does not fit base_model `{base_model_name}` ({exc})"
+        ) from None
+    keep_adapter_fp32(peft_model)
+    peft_model.peft_config["default"].base_model_name_or_path = base_model_name
+    return peft_model
+
+
 def keep_adapter_fp32(model: torch.nn.Module) -> None:
     """Every trainable (adapter) parameter in fp32, whatever the base's dtype: a bf16 adapter would round each
     small update away (bf16 keeps 8 significant bits) and AdamW's moments, made like the parameters, with it."""

@@ -1,0 +1,138 @@
+"""vLLM in the training process (TRL's colocate mode): its own copy of the base weights on the same device,
+handed the policy before each rollout that follows an optimizer step.
+
+Two ways to hand it over, chosen by `trl.vllm_lora_sync` as Axolotl means it: false (the default) folds the
+adapter into the base weights and reloads them in place (vLLM then decodes a plain model, the fast path);
+true writes the adapter to a folder and samples through a new LoRA id (vLLM's LoRA kernels, which cost decode
+time; the previous id is dropped)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from hanzo_gym.config import Config
+from hanzo_gym.config.vllm_keys import VllmSettings, vllm_lora_rank
+from hanzo_gym.engine import Engine
+from hanzo_gym.engine.distributed import world_size
+from hanzo_gym.errors import GymError
+from hanzo_gym.model.hub import resolve_model
+from hanzo_gym.records import SampledSequence, SamplingParams
+from hanzo_gym.rollout.policy_weights import merged_weights, write_policy_adapter
+from hanzo_gym.rollout.vllm_import import import_vllm
+from hanzo_gym.rollout.vllm_requests import sampled_sequence, vllm_sampling_fields
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class ColocatedVllmSampler:
+    def __init__(self, engine: Engine, settings: VllmSettings, cfg: Config, workdir: Path):
+        if world_size() > 1:
+            raise GymError(
+                "colocated vLLM under torchrun is not supported yet: start one `vllm serve` and use "
+                "`trl.vllm_mode: server`"
+            )
+        if cfg.load_in_4bit:
+            raise GymError(
+                "vLLM rollouts with a 4-bit (QLoRA) base would sample from a full-precision copy of the base, "
+                "not the policy being trained; use `adapter: lora`"
+            )
+        vllm = import_vllm()
+        self._vllm = vllm
+        self._engine = engine
+        self._lora_sync = settings.lora_sync
+        self._workdir = workdir
+        self._dtype = _base_dtype(engine) if settings.dtype == "auto" else getattr(torch, settings.dtype)
+        self.name = f"vLLM {vllm.__version__} (colocated, {'adapter' if self._lora_sync else 'merged'} sync)"
+        config = engine.model.get_base_model().config
+        context = getattr(config, "max_position_embeddings", None) or cfg.sequence_len
+        max_model_len = settings.max_model_len or min(
+            context, cfg.sequence_len + cfg.trl.max_completion_length
+        )
+        options = {
+            "model": str(resolve_model(cfg.base_model, cfg.trust_remote_code)),
+            "trust_remote_code": cfg.trust_remote_code,
+            "dtype": _DTYPE_NAMES[self._dtype],
+            "seed": cfg.seed,
+            "max_model_len": max_model_len,
+            "enforce_eager": settings.enforce_eager,
+            "gpu_memory_utilization": settings.memory_utilization,
+            "tensor_parallel_size": settings.tensor_parallel_size,
+        }
+        if settings.enable_prefix_caching is not None:
+            options["enable_prefix_caching"] = settings.enable_prefix_caching
+        if self._lora_sync:
+            try:
+                rank = vllm_lora_rank(engine.adapter_config.r)
+            except ValueError as exc:
+                raise GymError(str(exc)) from None
+            options.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+        self._llm = vllm.LLM(**options)
+        self._lora = None  # the LoRARequest of the policy (adapter sync)
+        self._version = 0
+        self._stale = True  # vLLM holds the base model, not the policy (which may be a resumed adapter)
+
+    def policy_changed(self) -> None:
+        self._stale = True
+
+    def sample(
+        self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
+    ) -> list[list[SampledSequence]]:
+        if not prompts:
+            return []
+        if self._stale:
+            self._sync()
+        from vllm.inputs import TokensPrompt
+
+        fields = vllm_sampling_fields(params, self._engine.tokenizer)
+        outputs = self._llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            self._vllm.SamplingParams(n=num_samples, **fields),
+            lora_request=self._lora,
+            use_tqdm=False,
+        )
+        return [
+            [
+                sampled_sequence(
+                    list(o.token_ids),
+                    [step[token].logprob for step, token in zip(o.logprobs, o.token_ids)],
+                    o.finish_reason,
+                )
+                for o in output.outputs
+            ]
+            for output in outputs
+        ]
+
+    def _sync(self) -> None:
+        model = self._engine.model
+        self._version += 1
+        if self._lora_sync:
+            from vllm.lora.request import LoRARequest
+
+            folder = write_policy_adapter(model, self._workdir / f"policy-{self._version}")
+            previous, self._lora = (
+                self._lora,
+                LoRARequest(f"policy-{self._version}", self._version, str(folder)),
+            )
+            if previous is not None:
+                self._llm.llm_engine.remove_lora(previous.lora_int_id)
+                shutil.rmtree(previous.lora_path, ignore_errors=True)
+        else:
+            weights = merged_weights(model, self._dtype)
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self._llm.reset_prefix_cache()  # cached prompt blocks hold the old weights' keys and values
+        self._stale = False
+
+    def close(self) -> None:
+        if self._lora is not None:
+            shutil.rmtree(self._lora.lora_path, ignore_errors=True)
+        self._llm = None
+
+
+def _base_dtype(engine: Engine) -> torch.dtype:
+    """The frozen base weights' dtype: the run's precision (bf16 or fp32)."""
+    frozen = [p.dtype for p in engine.model.parameters() if not p.requires_grad and p.is_floating_point()]
+    return frozen[0] if frozen else torch.float32

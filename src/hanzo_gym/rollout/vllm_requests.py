@@ -1,0 +1,46 @@
+"""Our sampling parameters in vLLM's terms, and vLLM's outputs as our sampled sequences; shared by the
+colocated engine and the server client, so both stop, filter and report as the built-in sampler does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from hanzo_gym.engine.sampling import stop_lists
+from hanzo_gym.errors import GymError
+from hanzo_gym.records import SampledSequence, SamplingParams
+
+
+def vllm_sampling_fields(params: SamplingParams, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """vLLM SamplingParams fields (also the extra fields of its OpenAI completions request). Completions stop
+    where the built-in sampler stops: the tokenizer's EOS and the request's stop ids and strings, never the
+    generation config's other EOS ids; log-probabilities of the sampled tokens are the raw model's (vLLM's
+    default `raw_logprobs`), as ours are."""
+    stop_ids, stop_strings = stop_lists(params.stop)
+    if tokenizer.eos_token_id is not None:
+        stop_ids = [*stop_ids, tokenizer.eos_token_id]
+    if params.max_tokens is None:
+        raise GymError("vLLM rollouts need max_tokens")
+    return {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": max(0, params.top_k),  # vLLM: 0 switches top-k off
+        "seed": params.seed,
+        "stop_token_ids": stop_ids,
+        "stop": stop_strings,
+        "ignore_eos": True,  # the stop ids above already hold the tokenizer's EOS
+        "logprobs": 0,  # the sampled token's own log-probability, nothing more
+        "skip_special_tokens": False,
+    }
+
+
+def sampled_sequence(
+    token_ids: list[int], logprobs: list[float], finish_reason: str | None
+) -> SampledSequence:
+    if finish_reason not in ("stop", "length"):
+        raise GymError(f"vLLM ended a completion with `{finish_reason}` (expected stop or length)")
+    if len(logprobs) != len(token_ids):
+        raise GymError(f"vLLM returned {len(logprobs)} log-probabilities for {len(token_ids)} tokens")
+    return SampledSequence(tokens=list(token_ids), logprobs=list(logprobs), stop_reason=finish_reason)

@@ -1,0 +1,34 @@
+"""`gym serve --tinker` as a user starts it: a subprocess on a free loopback port, for the tests that talk to it
+with the official tinker SDK (test_tinker_server.py) and run tinker-cookbook's recipes on it
+(test_tinker_cookbook.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+def start_gym_serve(
+    model: str, runs: Path, served_name: str | None = None, cwd: Path | None = None
+) -> tuple[subprocess.Popen, str]:
+    """The server process and its TINKER_BASE_URL, once it listens; checkpoints go under `runs`."""
+    command = [sys.executable, "-m", "hanzo_gym.cli", "serve", "--model", model, "--port", "0", "--tinker"]
+    if served_name is not None:
+        command += ["--served-model-name", served_name]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, cwd=cwd, env={**os.environ, "HANZO_GYM_RUNS": str(runs)}
+    )
+    line = process.stdout.readline()
+    match = re.search(r"Tinker API on (http://127\.0\.0\.1:\d+) \(TINKER_BASE_URL=", line)
+    if not match:
+        stop(process)
+        raise AssertionError(f"gym serve did not start: {line!r}")
+    return process, match.group(1)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    process.wait(timeout=30)
