@@ -296,6 +296,22 @@ def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
     )
 
 
+def print_ours_alone(trl_failure: str, ours: dict, opts) -> None:
+    print(
+        f"workload: as without --vllm, rollouts on colocated vLLM (memory share {VLLM_MEMORY}), "
+        f"1 prompt × {opts.generations} generations per step, max_completion_length {opts.max_completion_length}, "
+        f"steps 2..{opts.steps} timed, CPU {os.cpu_count()} cores"
+    )
+    print("TRL GRPOTrainer (use_vllm=True, vllm_mode=colocate) failed; the last lines of its log:")
+    print("    " + trl_failure.replace("\n", "\n    "))
+    print(
+        f"hanzo-gym: {ours['completions'] / ours['seconds']:.2f} completions/s, "
+        f"{opts.generations / ours['median_step_seconds']:.2f} at the median step, peak RSS "
+        f"{ours['peak_rss_bytes'] / 1e9:.2f} GB, mean tokens {ours['mean_length']:.1f}; sampling "
+        f"{ours['sample_seconds']:.1f} s, scoring + training {ours['train_seconds']:.1f} s over the timed steps"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -329,7 +345,12 @@ def main() -> None:
         str(opts.max_completion_length),
         *(["--vllm"] if opts.vllm else []),
     ]
-    trl, ours, load_at_start = compare_sides(__file__, addition_prompts(), opts.steps, forwarded)
+    # TRL's colocated vLLM may not run on this device: its result is then the failure, printed as such.
+    may_fail = ("trl",) if opts.vllm else ()
+    trl, ours, load_at_start = compare_sides(__file__, addition_prompts(), opts.steps, forwarded, may_fail)
+    if "failed" in trl:
+        print_ours_alone(trl["failed"], ours, opts)
+        return
     print_report(trl, ours, opts, load_at_start)
 
 

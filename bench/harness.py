@@ -35,15 +35,21 @@ def finish_side(opts: argparse.Namespace, run: Callable[[], dict]) -> None:
 
 
 def compare_sides(
-    script: str, rows: list[dict], steps: int, forwarded: list[str]
+    script: str, rows: list[dict], steps: int, forwarded: list[str], may_fail: Sequence[str] = ()
 ) -> tuple[dict, dict, float]:
-    """Run TRL's side, then ours, on `rows`; return both results and the load average before they started."""
-    results, load_at_start = run_sides(script, ("trl", "ours"), rows, steps, forwarded)
+    """Run TRL's side, then ours, on `rows`; return both results and the load average before they started.
+    A side named in `may_fail` that fails comes back as {"failed": its last log lines}."""
+    results, load_at_start = run_sides(script, ("trl", "ours"), rows, steps, forwarded, may_fail)
     return results["trl"], results["ours"], load_at_start
 
 
 def run_sides(
-    script: str, sides: Sequence[str], rows: list[dict], steps: int, forwarded: list[str]
+    script: str,
+    sides: Sequence[str],
+    rows: list[dict],
+    steps: int,
+    forwarded: list[str],
+    may_fail: Sequence[str] = (),
 ) -> tuple[dict[str, dict], float]:
     """Run each of `sides` in turn on `rows`; return their results by name and the load average before they
     started."""
@@ -57,13 +63,21 @@ def run_sides(
         data_path = work_dir / "data.jsonl"
         data_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         results = {
-            side: _run_side(script, side, model_dir, data_path, work_dir, steps, forwarded) for side in sides
+            side: _run_side(script, side, model_dir, data_path, work_dir, steps, forwarded, side in may_fail)
+            for side in sides
         }
     return results, load_at_start
 
 
 def _run_side(
-    script: str, side: str, model_dir: Path, data_path: Path, work_dir: Path, steps: int, forwarded: list[str]
+    script: str,
+    side: str,
+    model_dir: Path,
+    data_path: Path,
+    work_dir: Path,
+    steps: int,
+    forwarded: list[str],
+    may_fail: bool = False,
 ) -> dict:
     result_path = work_dir / f"{side}.json"
     log_path = work_dir / f"{side}.log"
@@ -90,6 +104,8 @@ def _run_side(
     load_at_start = os.getloadavg()[0]
     with open(log_path, "w") as log:
         finished = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT)
+    if finished.returncode != 0 and may_fail:
+        return {"failed": "\n".join(log_path.read_text().splitlines()[-3:])}
     if finished.returncode != 0:
         sys.exit(
             f"{side} failed (exit {finished.returncode}); last lines of its log:\n"
