@@ -1,4 +1,5 @@
 import pytest
+from config_files import error_of, load_text
 
 from hanzo_gym.config import load_config, parse_config
 from hanzo_gym.config.yaml_source import load_yaml
@@ -15,16 +16,7 @@ datasets:
 """
 
 
-def _load(tmp_path, text):
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
-    return load_config(path)
-
-
-def _error(tmp_path, text) -> str:
-    with pytest.raises(ConfigError) as caught:
-        _load(tmp_path, text)
-    return str(caught.value)
+_load, _error = load_text, error_of
 
 
 def test_defaults_match_the_original(tmp_path):
@@ -296,7 +288,10 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
         ("plugins: [axolotl.integrations.cut_cross_entropy]\n", "`plugins` (Axolotl plugins"),
         ("tokens: [<new>]\n", "`tokens` (adding tokens to the vocabulary)"),
         ("    name: main\n", "`datasets[0].name` (the Hugging Face dataset config name)"),
-        ("trl:\n  vllm_enable_sleep_mode: true\n", "`trl.vllm_enable_sleep_mode` (freeing a colocated vLLM's"),
+        (
+            "trl:\n  vllm_enable_sleep_mode: true\n",
+            "`trl.vllm_enable_sleep_mode` (freeing a colocated vLLM's",
+        ),
     ],
 )
 def test_known_axolotl_keys_name_their_feature_never_another_key(tmp_path, extra, expected):

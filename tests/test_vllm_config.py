@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from config_files import error_of, load_text
 from peft import LoraConfig, get_peft_model
 from tiny_models import tiny_model
 
 from hanzo_gym.cli.vllm_serve import vllm_serve_command
-from hanzo_gym.config import load_config, vllm_keys
+from hanzo_gym.config import vllm_keys
 from hanzo_gym.config.vllm_keys import vllm_settings
-from hanzo_gym.errors import ConfigError, GymError
+from hanzo_gym.errors import GymError
 from hanzo_gym.records import SamplingParams
 from hanzo_gym.rollout.policy_weights import merged_weights
 from hanzo_gym.rollout.vllm_requests import sampled_sequence, vllm_sampling_fields
@@ -34,16 +35,7 @@ trl:
 """
 
 
-def _load(tmp_path, text):
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
-    return load_config(path)
-
-
-def _error(tmp_path, text) -> str:
-    with pytest.raises(ConfigError) as caught:
-        _load(tmp_path, text)
-    return str(caught.value)
+_load, _error = load_text, error_of
 
 
 def test_server_mode_is_axolotls_default_and_reads_the_vllm_block(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,15 +21,15 @@ from hanzo_gym.engine import Engine
 from hanzo_gym.engine.distributed import world_size
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.hub import resolve_model
-from hanzo_gym.records import SampledSequence, SamplingParams
+from hanzo_gym.records import SampledSequence
 from hanzo_gym.rollout.policy_weights import merged_weights, write_policy_adapter
 from hanzo_gym.rollout.vllm_import import import_vllm
-from hanzo_gym.rollout.vllm_requests import sampled_sequence, vllm_sampling_fields
+from hanzo_gym.rollout.vllm_requests import VllmSampler, sampled_sequence
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class ColocatedVllmSampler:
+class ColocatedVllmSampler(VllmSampler):
     def __init__(self, engine: Engine, settings: VllmSettings, cfg: Config, workdir: Path):
         if world_size() > 1:
             raise GymError(
@@ -40,9 +41,9 @@ class ColocatedVllmSampler:
                 "vLLM rollouts with a 4-bit (QLoRA) base would sample from a full-precision copy of the base, "
                 "not the policy being trained; use `adapter: lora`"
             )
+        super().__init__(engine)
         vllm = import_vllm()
         self._vllm = vllm
-        self._engine = engine
         self._lora_sync = settings.lora_sync
         self._workdir = workdir
         self._dtype = _base_dtype(engine) if settings.dtype == "auto" else getattr(torch, settings.dtype)
@@ -73,21 +74,12 @@ class ColocatedVllmSampler:
         self._llm = vllm.LLM(**options)
         self._lora = None  # the LoRARequest of the policy (adapter sync)
         self._version = 0
-        self._stale = True  # vLLM holds the base model, not the policy (which may be a resumed adapter)
 
-    def policy_changed(self) -> None:
-        self._stale = True
-
-    def sample(
-        self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], num_samples: int, fields: dict[str, Any]
     ) -> list[list[SampledSequence]]:
-        if not prompts:
-            return []
-        if self._stale:
-            self._sync()
         from vllm.inputs import TokensPrompt
 
-        fields = vllm_sampling_fields(params, self._engine.tokenizer)
         outputs = self._llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
             self._vllm.SamplingParams(n=num_samples, **fields),
@@ -124,7 +116,6 @@ class ColocatedVllmSampler:
             weights = merged_weights(model, self._dtype)
             self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self._llm.reset_prefix_cache()  # cached prompt blocks hold the old weights' keys and values
-        self._stale = False
 
     def close(self) -> None:
         if self._lora is not None:

@@ -1,12 +1,15 @@
-"""Our sampling parameters in vLLM's terms, and vLLM's outputs as our sampled sequences; shared by the
-colocated engine and the server client, so both stop, filter and report as the built-in sampler does."""
+"""What the colocated engine and the server client share: handing vLLM the policy before the first rollout
+after it changed, our sampling parameters in vLLM's terms and vLLM's outputs as our sampled sequences, so both
+stop, filter and report as the built-in sampler does."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from hanzo_gym.engine import Engine
 from hanzo_gym.engine.sampling import stop_lists
 from hanzo_gym.errors import GymError
 from hanzo_gym.records import SampledSequence, SamplingParams
@@ -44,3 +47,32 @@ def sampled_sequence(
     if len(logprobs) != len(token_ids):
         raise GymError(f"vLLM returned {len(logprobs)} log-probabilities for {len(token_ids)} tokens")
     return SampledSequence(tokens=list(token_ids), logprobs=list(logprobs), stop_reason=finish_reason)
+
+
+class VllmSampler:
+    """A rollout sampler over vLLM: `_sync` hands it the engine's current policy, `_generate` draws from it."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self._stale = True  # vLLM holds the base model, not the policy (which may be a resumed adapter)
+
+    def policy_changed(self) -> None:
+        self._stale = True
+
+    def sample(
+        self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
+    ) -> list[list[SampledSequence]]:
+        if not prompts:
+            return []
+        if self._stale:
+            self._sync()
+            self._stale = False
+        return self._generate(prompts, num_samples, vllm_sampling_fields(params, self._engine.tokenizer))
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], num_samples: int, fields: dict[str, Any]
+    ) -> list[list[SampledSequence]]:
+        raise NotImplementedError

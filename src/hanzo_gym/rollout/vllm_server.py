@@ -21,35 +21,26 @@ from typing import Any
 from hanzo_gym.config.vllm_keys import VllmSettings
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError
-from hanzo_gym.records import SampledSequence, SamplingParams
+from hanzo_gym.records import SampledSequence
 from hanzo_gym.rollout.policy_weights import write_policy_adapter
-from hanzo_gym.rollout.vllm_requests import sampled_sequence, vllm_sampling_fields
+from hanzo_gym.rollout.vllm_requests import VllmSampler, sampled_sequence
 
 POLICY_NAME = "hanzo-gym-policy"  # + "-v<N>", one name per hand-over
 
 
-class VllmServerSampler:
+class VllmServerSampler(VllmSampler):
     def __init__(self, engine: Engine, settings: VllmSettings, workdir: Path):
-        self._engine = engine
+        super().__init__(engine)
         self._url = settings.base_url
         self._workdir = workdir
         self._timeout_s = settings.timeout_s
         self.name = f"vLLM server at {self._url} (adapter sync)"
         self._wait_until_up()
         self._version = 0  # 0: no adapter of ours on the server yet
-        self._stale = True
 
-    def policy_changed(self) -> None:
-        self._stale = True
-
-    def sample(
-        self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], num_samples: int, fields: dict[str, Any]
     ) -> list[list[SampledSequence]]:
-        if not prompts:
-            return []
-        if self._stale:
-            self._sync()
-        fields = vllm_sampling_fields(params, self._engine.tokenizer)
         # One request per prompt, all in flight at once: the server batches them continuously.
         with ThreadPoolExecutor(max_workers=min(len(prompts), 64)) as pool:
             return list(pool.map(lambda p: self._complete(list(p), num_samples, fields), prompts))
@@ -75,7 +66,6 @@ class VllmServerSampler:
         if previous is not None:
             self._unload(previous)
             shutil.rmtree(self._workdir / f"policy-{self._version - 1}", ignore_errors=True)
-        self._stale = False
 
     def _unload(self, name: str) -> None:
         self._post("/v1/unload_lora_adapter", {"lora_name": name}, expect_json=False)
