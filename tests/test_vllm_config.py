@@ -4,6 +4,8 @@ tests/test_vllm_rollouts.py, run in its own environment (`make test-vllm`)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from config_files import error_of, load_text
@@ -182,3 +184,16 @@ def test_a_server_that_never_answers_is_named_with_what_to_do(tmp_path):
         GymError, match=r"no vLLM server answered at http://127.0.0.1:9 within 1 s.*gym vllm-serve"
     ):
         VllmServerSampler(engine=None, settings=settings, workdir=tmp_path)
+
+
+def test_the_tinker_client_asks_for_a_known_sampler_and_names_the_vllm_install(
+    tmp_path, tiny_dir, monkeypatch
+):
+    from hanzo_gym import tinker
+
+    with pytest.raises(GymError, match="sampler must be `builtin` or `vllm`"):
+        tinker.ServiceClient(root=tmp_path, sampler="fast")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not installed
+    service = tinker.ServiceClient(root=tmp_path, sampler="vllm")
+    with pytest.raises(GymError, match=r"needs vLLM, which is not installed here: on a GPU `pip install"):
+        service.create_lora_training_client(tiny_dir, rank=4)

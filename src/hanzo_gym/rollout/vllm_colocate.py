@@ -24,9 +24,9 @@ from hanzo_gym.model.hub import resolve_model
 from hanzo_gym.records import SampledSequence
 from hanzo_gym.rollout.policy_weights import merged_weights, write_policy_adapter
 from hanzo_gym.rollout.vllm_import import import_vllm
-from hanzo_gym.rollout.vllm_requests import VllmSampler, sampled_sequence
+from hanzo_gym.rollout.vllm_requests import VllmSampler, vllm_sequences
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class ColocatedVllmSampler(VllmSampler):
@@ -56,7 +56,7 @@ class ColocatedVllmSampler(VllmSampler):
         options = {
             "model": str(resolve_model(cfg.base_model, cfg.trust_remote_code)),
             "trust_remote_code": cfg.trust_remote_code,
-            "dtype": _DTYPE_NAMES[self._dtype],
+            "dtype": DTYPE_NAMES[self._dtype],
             "seed": cfg.seed,
             "max_model_len": max_model_len,
             "enforce_eager": settings.enforce_eager,
@@ -86,17 +86,7 @@ class ColocatedVllmSampler(VllmSampler):
             lora_request=self._lora,
             use_tqdm=False,
         )
-        return [
-            [
-                sampled_sequence(
-                    list(o.token_ids),
-                    [step[token].logprob for step, token in zip(o.logprobs, o.token_ids)],
-                    o.finish_reason,
-                )
-                for o in output.outputs
-            ]
-            for output in outputs
-        ]
+        return [vllm_sequences(output) for output in outputs]
 
     def _sync(self) -> None:
         model = self._engine.model

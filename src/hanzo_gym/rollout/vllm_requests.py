@@ -49,6 +49,18 @@ def sampled_sequence(
     return SampledSequence(tokens=list(token_ids), logprobs=list(logprobs), stop_reason=finish_reason)
 
 
+def vllm_sequences(output: Any) -> list[SampledSequence]:
+    """A vLLM RequestOutput's completions (requested with `logprobs=0`) as our sampled sequences."""
+    return [
+        sampled_sequence(
+            list(o.token_ids),
+            [step[token].logprob for step, token in zip(o.logprobs, o.token_ids)],
+            o.finish_reason,
+        )
+        for o in output.outputs
+    ]
+
+
 class VllmSampler:
     """A rollout sampler over vLLM: `_sync` hands it the engine's current policy, `_generate` draws from it."""
 

@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import torch
 from peft import LoraConfig
@@ -28,8 +28,9 @@ _ATTENTION_PARENTS = ("attn", "attention")
 
 class ServiceClient:
     """`root` is where checkpoints go (default `$HANZO_GYM_RUNS`, else the cache's `runs/`). `device` and
-    `dtype` default to CUDA + bf16 when there is a GPU, else CPU + fp32. Tinker's connection settings
-    (`api_key`, `base_url`, …) are accepted and mean nothing locally."""
+    `dtype` default to CUDA + bf16 when there is a GPU, else CPU + fp32. `sampler="vllm"` samples through a
+    colocated vLLM (hanzo_gym.rollout.vllm_batcher) instead of the built-in sampler. Tinker's connection
+    settings (`api_key`, `base_url`, …) are accepted and mean nothing locally."""
 
     def __init__(
         self,
@@ -39,8 +40,12 @@ class ServiceClient:
         root: str | Path | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        sampler: Literal["builtin", "vllm"] = "builtin",
         **connection_settings: Any,
     ):
+        if sampler not in ("builtin", "vllm"):
+            raise GymError(f"sampler must be `builtin` or `vllm` (got {sampler!r})")
+        self._sampler = sampler
         self.root = Path(root).expanduser() if root is not None else default_root()
         self._device = torch.device(device) if device is not None else None
         self._dtype = dtype
@@ -152,8 +157,15 @@ class ServiceClient:
         with self._lock:
             if key not in self._hosts:
                 host = ModelHost(base_model, self._device, self._dtype)
-                self._hosts[key] = (host, SampleBatcher(host))
+                self._hosts[key] = (host, self._new_batcher(host))
             return self._hosts[key]
+
+    def _new_batcher(self, host: ModelHost) -> SampleBatcher:
+        if self._sampler == "vllm":
+            from hanzo_gym.rollout.vllm_batcher import VllmBatcher
+
+            return VllmBatcher(host)  # the same interface
+        return SampleBatcher(host)
 
     def _batcher_of(self, host: ModelHost) -> SampleBatcher:
         with self._lock:
