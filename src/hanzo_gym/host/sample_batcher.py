@@ -95,6 +95,19 @@ class _Lane:
         self.batch = None
 
 
+def checked_prompt(
+    host: ModelHost, prompt: Sequence[int], num_samples: int, params: SamplingParams
+) -> list[int]:
+    """The prompt's tokens, or a GymError for a request no sampler can run."""
+    if not isinstance(params, SamplingParams):
+        raise GymError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise GymError(f"num_samples must be a positive integer (got {num_samples!r})")
+    tokens = list(prompt)
+    host.check_token_ids(tokens, "the prompt")
+    return tokens
+
+
 class SampleBatcher:
     def __init__(self, host: ModelHost):
         self.host = host
@@ -118,12 +131,7 @@ class SampleBatcher:
     ) -> concurrent.futures.Future[list[SampledSequence]]:
         """Checked here, on the caller's thread: a bad request fails its caller, never the sampler thread.
         `cancel`, passed later to `cancel()`, stops the request's decoding at the next step."""
-        if not isinstance(params, SamplingParams):
-            raise GymError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise GymError(f"num_samples must be a positive integer (got {num_samples!r})")
-        tokens = list(prompt)
-        self.host.check_token_ids(tokens, "the prompt")
+        tokens = checked_prompt(self.host, prompt, num_samples, params)
         future: concurrent.futures.Future = concurrent.futures.Future()
         request = _Request(adapter, tokens, num_samples, params, future, on_token, owner, cancel)
         with self._wakeup:

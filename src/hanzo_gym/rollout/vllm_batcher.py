@@ -20,6 +20,7 @@ import torch
 
 from hanzo_gym.errors import GymError
 from hanzo_gym.host.model_host import ModelHost
+from hanzo_gym.host.sample_batcher import checked_prompt
 from hanzo_gym.model.hub import resolve_model
 from hanzo_gym.model.lora import write_adapter
 from hanzo_gym.records import SampledSequence, SamplingParams
@@ -66,12 +67,7 @@ class VllmBatcher:
     ) -> concurrent.futures.Future[list[SampledSequence]]:
         if on_token is not None:
             raise GymError("streaming token by token is not supported with vLLM sampling")
-        if not isinstance(params, SamplingParams):
-            raise GymError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise GymError(f"num_samples must be a positive integer (got {num_samples!r})")
-        tokens = list(prompt)
-        self.host.check_token_ids(tokens, "the prompt")
+        tokens = checked_prompt(self.host, prompt, num_samples, params)
         room = self._max_model_len - len(tokens)
         if room < 1:
             raise GymError(
