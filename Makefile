@@ -53,6 +53,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile constraints-vllm.txt
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_rollouts.py
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_tinker.py
 
 bench: install
 	$(PIP) -e '.[bench]'
