@@ -116,9 +116,9 @@ def test_inline_jinja_is_used_as_is(llama32_tokenizer):
 
 def test_unknown_name_lists_the_builtins(llama32_tokenizer):
     with pytest.raises(ConfigError) as error:
-        resolve_renderer("gemma", llama32_tokenizer)
+        resolve_renderer("no_such_template", llama32_tokenizer)
     message = str(error.value)
-    assert "`gemma`" in message
+    assert "`no_such_template`" in message
     assert all(name in message for name in ("chatml", "qwen3", "llama3", "role_colon"))
 
 

@@ -285,7 +285,10 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
         ("load_in_8bit: true\n", "`load_in_8bit` (a bitsandbytes 8-bit base model)"),
         ("fp16: true\n", "`fp16` (float16 mixed precision)"),
         ("deepspeed: deepspeed_configs/zero2.json\n", "`deepspeed` (DeepSpeed ZeRO sharding)"),
-        ("plugins: [axolotl.integrations.cut_cross_entropy]\n", "`plugins` (Axolotl plugins"),
+        (
+            "plugins: [axolotl.integrations.diffusion.DiffusionPlugin]\n",
+            "plugin `axolotl.integrations.diffusion.DiffusionPlugin` (diffusion",
+        ),
         ("tokens: [<new>]\n", "`tokens` (adding tokens to the vocabulary)"),
         ("    name: main\n", "`datasets[0].name` (the Hugging Face dataset config name)"),
         (

@@ -19,7 +19,9 @@ def test_the_loader_classes_must_be_what_the_model_loads_as(qwen3_tokenizer):
     model = tiny_model("qwen3")
     for fine in (None, "AutoModelForCausalLM", "Qwen3ForCausalLM"):
         loader_keys.check_loader_class("model_type", fine, model, "tiny")
-    with pytest.raises(ModelError, match="model_type: LlamaForCausalLM, but base_model `tiny` loads as Qwen3"):
+    with pytest.raises(
+        ModelError, match="model_type: LlamaForCausalLM, but base_model `tiny` loads as Qwen3"
+    ):
         loader_keys.check_loader_class("model_type", "LlamaForCausalLM", model, "tiny")
     name = type(qwen3_tokenizer).__name__.removesuffix("Fast")
     for fine in ("AutoTokenizer", name, name + "Fast"):
@@ -50,7 +52,10 @@ def test_tf32_sets_cudas_switches_and_says_when_it_cannot(monkeypatch):
         for capability, expected in (((8, 0), True), ((7, 5), False)):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
             assert loader_keys.apply_tf32("auto", torch.device("cuda")) is None
-            assert torch.backends.cuda.matmul.allow_tf32 is expected and torch.backends.cudnn.allow_tf32 is expected
+            assert (
+                torch.backends.cuda.matmul.allow_tf32 is expected
+                and torch.backends.cudnn.allow_tf32 is expected
+            )
         loader_keys.apply_tf32(True, torch.device("cuda"))
         assert torch.backends.cuda.matmul.allow_tf32 is True
     finally:
@@ -89,7 +94,10 @@ def test_attn_implementation_reaches_the_model_and_trains(tmp_path, tiny_base, t
     assert "tf32: True has no effect on cpu" in capsys.readouterr().out
     flash = _tiny_config(tmp_path, tiny_base, text_file, attn_implementation="flash_attention_2")
     assert main(["train", str(flash)]) == 0
-    assert "attn_implementation: flash_attention_2 runs on CUDA only; using sdpa on cpu" in capsys.readouterr().out
+    assert (
+        "attn_implementation: flash_attention_2 runs on CUDA only; using sdpa on cpu"
+        in capsys.readouterr().out
+    )
 
 
 def test_gym_train_refuses_a_config_written_for_another_model(tmp_path, tiny_base, text_file, capsys):
@@ -113,8 +121,12 @@ def test_special_tokens_take_the_tokenizers_own_tokens_and_refuse_new_ones(tmp_p
 
     path = _tiny_config(tmp_path, tiny_base, text_file, special_tokens={"eos_token": "<|endoftext|>"})
     cfg = load_config(path)
-    examples = load_examples(cfg, load_tokenizer(cfg.base_model, special_tokens=cfg.special_token_roles)).train
-    assert {example.input_ids[-1] for example in examples} == {tokenizer.eos_token_id}  # completions end with it
+    examples = load_examples(
+        cfg, load_tokenizer(cfg.base_model, special_tokens=cfg.special_token_roles)
+    ).train
+    assert {example.input_ids[-1] for example in examples} == {
+        tokenizer.eos_token_id
+    }  # completions end with it
     assert main(["train", str(path)]) == 0
     saved = load_tokenizer(str(tmp_path / "run"))  # the adapter's tokenizer, as serving loads it
     assert saved.eos_token == "<|endoftext|>"

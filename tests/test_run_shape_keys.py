@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-import yaml
+from config_files import write_tiny_run
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_pt_utils import get_length_grouped_indices
@@ -27,28 +27,7 @@ from hanzo_gym.model.lora import adapter_weights, read_adapter
 
 
 def _config(tmp_path, tiny_base, chat_data, name="run", **overrides):
-    cfg = {
-        "base_model": str(tiny_base),
-        "datasets": [{"path": str(chat_data), "type": "chat_template"}],
-        "val_set_size": 0,
-        "output_dir": str(tmp_path / name),
-        "sequence_len": 64,
-        "adapter": "lora",
-        "lora_r": 4,
-        "lora_alpha": 8,
-        "lora_dropout": 0.0,
-        "lora_target_linear": True,
-        "micro_batch_size": 4,
-        "gradient_accumulation_steps": 2,
-        "learning_rate": 5e-3,
-        "logging_steps": 1,
-        "bf16": False,
-        "seed": 7,
-    }
-    cfg.update(overrides)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_tiny_run(tmp_path, tiny_base, chat_data, name, **overrides)
 
 
 def _rows(run_dir):

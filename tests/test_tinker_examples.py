@@ -60,7 +60,9 @@ def test_dpo_loop_over_forward_backward_custom_learns_to_prefer_the_right_sum(in
     printed = capsys.readouterr().out
     before = float(printed.split("held-out accuracy ")[1].split()[0])  # the base model: margins of ~0
     assert printed.count("dpo loss ") == 5
-    losses = [float(line.split("dpo loss ")[1].split()[0]) for line in printed.splitlines() if "dpo loss" in line]
+    losses = [
+        float(line.split("dpo loss ")[1].split()[0]) for line in printed.splitlines() if "dpo loss" in line
+    ]
     assert losses[0] == pytest.approx(0.6931, abs=1e-3)  # log 2: policy = reference before the first step
     assert losses[-1] < losses[0]
     assert final >= 0.75 and final > before

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 VOCAB = 96
 
@@ -26,6 +26,8 @@ def tiny_config(kind: str = "llama", **overrides):
         return LlamaConfig(**common)
     if kind == "qwen3":
         return Qwen3Config(head_dim=8, **common)
+    if kind == "qwen2":
+        return Qwen2Config(**common)
     raise ValueError(kind)
 
 

@@ -25,10 +25,14 @@ def _train(args: argparse.Namespace) -> None:
 
 def _preprocess(args: argparse.Namespace) -> None:
     from hanzo_gym.config import load_config
+    from hanzo_gym.data.axolotl_templates import check_template_family
     from hanzo_gym.data.dataset import format_stats, load_examples
-    from hanzo_gym.model.hub import load_tokenizer
+    from hanzo_gym.model.hub import base_model_type, load_tokenizer
 
     cfg = load_config(args.config)
+    check_template_family(
+        cfg.chat_template, base_model_type(cfg.base_model, cfg.trust_remote_code), cfg.base_model
+    )
     data = load_examples(
         cfg,
         load_tokenizer(cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles, cfg.trust_remote_code),

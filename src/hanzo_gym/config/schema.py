@@ -5,6 +5,7 @@ Unknown keys and bad values fail at load with the key's path, its YAML line and 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from hanzo_gym.config.axolotl_keys import (
     close_misspelling,
     known_path,
 )
+from hanzo_gym.config.kernel_keys import KernelKeys, check_kernel_keys
 from hanzo_gym.config.preference_keys import KTO_TYPES, PAIR_TYPES, PreferenceKeys, check_preference_keys
 from hanzo_gym.config.run_shape_keys import check_run_shape_keys
 from hanzo_gym.config.tracking import TrackingKeys
@@ -154,12 +156,16 @@ class CheckpointingKwargs(_Strict):
         return value
 
 
-class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tracking.py
+# The mixins' keys sit at the top level, as in Axolotl: config/preference_keys.py, tracking.py, kernel_keys.py.
+class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     base_model: str
     trust_remote_code: bool = False  # let transformers run the model repository's own Python code
     tokenizer_config: str | None = None
     special_tokens: SpecialTokens | None = None
     chat_template: str | None = None
+    eot_tokens: list[str] | None = (
+        None  # the tokens that end a turn, trained with it (data/chat_templates.py)
+    )
     datasets: list[DatasetConfig] = Field(min_length=1)
     val_set_size: float = Field(0.0, ge=0)
     output_dir: str
@@ -180,7 +186,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
     lora_alpha: float = Field(16.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     peft_use_rslora: bool = False  # rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r
-    lora_target_modules: list[str] = []
+    # module names, or one regular expression over full module paths (PEFT's rule: the whole path matches)
+    lora_target_modules: list[str] | str = []
     lora_target_linear: bool = False
     lora_model_dir: str | None = None  # start from this PEFT adapter (its own r, alpha and targets)
 
@@ -234,6 +241,12 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
     trl: TrlConfig = TrlConfig()
     vllm: VllmSection | None = None  # Axolotl's `vllm:` block (GRPO rollouts on vLLM)
 
+    @field_validator("evals_per_epoch", "saves_per_epoch", mode="before")
+    @classmethod
+    def _zero_per_epoch_is_unset(cls, value: Any) -> Any:
+        # Axolotl tests these counts for truth: 0 asks for nothing, as if the key were absent.
+        return None if value == 0 and not isinstance(value, bool) else value
+
     @field_validator("chat_template")
     @classmethod
     def _known_chat_template(cls, value: str | None) -> str | None:
@@ -251,6 +264,15 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
             )
         return value
 
+    @property
+    def lora_targets(self) -> list[str] | str:
+        """What the adapter targets: `all-linear`, sorted module names, or the regular expression."""
+        if self.lora_target_linear:
+            return "all-linear"
+        if isinstance(self.lora_target_modules, str):
+            return self.lora_target_modules
+        return sorted(self.lora_target_modules)
+
     @model_validator(mode="after")
     def _cross_key_rules(self) -> Config:
         if self.adapter == "none":
@@ -262,7 +284,13 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
             )
         if not (self.lora_target_linear or self.lora_target_modules):
             raise ValueError("lora needs `lora_target_modules` or `lora_target_linear: true`")
-        untrainable = sorted(set(self.lora_target_modules) & {"lm_head", "embed_tokens", "wte", "embed_out"})
+        if isinstance(self.lora_target_modules, str):
+            try:
+                re.compile(self.lora_target_modules)
+            except re.error as exc:
+                raise ValueError(f"lora_target_modules is not a valid regular expression: {exc}") from None
+        names = [] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
+        untrainable = sorted(set(names) & {"lm_head", "embed_tokens", "wte", "embed_out"})
         if untrainable:
             raise ValueError(
                 f"lora_target_modules {untrainable}: LoRA on the embedding or output layer is not supported "
@@ -285,6 +313,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys):  # tracking keys: config/tr
             raise ValueError(f"resume_from_checkpoint: {self.resume_from_checkpoint} is not a directory")
         check_preference_keys(self)
         check_vllm_keys(self.trl, self.vllm, self.rl)
+        check_kernel_keys(self)
         check_run_shape_keys(self)  # lora_model_dir, the batching keys: config/run_shape_keys.py
         if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:
             raise ValueError(

@@ -3,6 +3,8 @@
 - unset or `tokenizer_default`: the tokenizer's own Jinja template (`JinjaRenderer`);
 - a renderer name (`qwen3`, `llama3`, `role_colon`, …) or `chatml` (the ChatML of `qwen3_instruct`);
 - `tokenizer_default_fallback_<name>`: the tokenizer's template if it has one, else the renderer `<name>`;
+- Axolotl's name of a family's template (`gemma3`, `qwen_25`, …): the tokenizer's own template, once the loop
+  has checked that the model is of that family (`data/axolotl_templates.py`);
 - inline Jinja: that template (`JinjaRenderer`).
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hanzo_gym.data.axolotl_templates import axolotl_template_names, family_template_problem
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.renderers import Renderer, RendererError, get_renderer, renderer_names
 from hanzo_gym.renderers.jinja import JinjaRenderer, tokenizer_template
@@ -35,12 +38,50 @@ NO_TEMPLATE = (
 )
 
 
-def resolve_renderer(setting: str | None, tokenizer: PreTrainedTokenizerBase) -> Renderer:
-    """The renderer the `chat_template` config value stands for; ConfigError when there is none."""
+def resolve_renderer(
+    setting: str | None, tokenizer: PreTrainedTokenizerBase, eot_tokens: list[str] | None = None
+) -> Renderer:
+    """The renderer the `chat_template` config value stands for, ending turns at Axolotl's `eot_tokens` when
+    given; ConfigError when there is none."""
+    renderer = _renderer_for(setting, tokenizer)
+    return with_end_of_turn_tokens(renderer, eot_tokens) if eot_tokens else renderer
+
+
+def with_end_of_turn_tokens(renderer: Renderer, eot_tokens: list[str]) -> Renderer:
+    """Axolotl's `eot_tokens`: the tokens that end a turn, each trained with the turn it ends (Axolotl's
+    `train_on_eot`, which follows `train_on_eos`). A Jinja template's turn ends are found by these tokens
+    instead of the common ones; a built-in renderer knows its own, which the listed tokens must be."""
+    vocabulary = renderer.tokenizer.get_vocab()
+    missing = [token for token in eot_tokens if token not in vocabulary]
+    if missing:
+        raise ConfigError(
+            f"eot_tokens {missing}: not single tokens of the tokenizer's vocabulary; list the token(s) that "
+            "end a turn in the chat template (e.g. <|im_end|>, <|eot_id|>, <end_of_turn>)"
+        )
+    ids = frozenset(vocabulary[token] for token in eot_tokens)
+    if isinstance(renderer, JinjaRenderer):
+        renderer.end_of_turn_ids = ids
+        return renderer
+    own = {token for token in renderer.get_stop_sequences() if isinstance(token, int)}
+    if not ids <= own:
+        ends = [renderer.tokenizer.convert_ids_to_tokens(token) for token in sorted(own)]
+        raise ConfigError(
+            f"eot_tokens {eot_tokens}: the `{type(renderer).__name__}` renderer ends turns with {ends}; "
+            "list those, or leave eot_tokens out"
+        )
+    return renderer
+
+
+def _renderer_for(setting: str | None, tokenizer: PreTrainedTokenizerBase) -> Renderer:
     try:
         if setting is None or setting == TOKENIZER_DEFAULT:
             if tokenizer_template(tokenizer) is None:
                 raise ConfigError(NO_TEMPLATE)
+            return JinjaRenderer(tokenizer)
+        if setting in axolotl_template_names():
+            problem = family_template_problem(setting, tokenizer_template(tokenizer) is not None)
+            if problem:
+                raise ConfigError(problem)
             return JinjaRenderer(tokenizer)
         if setting.startswith(FALLBACK_PREFIX):
             if tokenizer_template(tokenizer) is not None:
@@ -52,7 +93,8 @@ def resolve_renderer(setting: str | None, tokenizer: PreTrainedTokenizerBase) ->
 
 
 def template_names() -> list[str]:
-    return sorted({*renderer_names(), *ALIASES})
+    """What `chat_template` may name: the renderers, their aliases and Axolotl's template names."""
+    return sorted({*renderer_names(), *ALIASES, *axolotl_template_names()})
 
 
 def is_jinja(text: str) -> bool:

@@ -51,7 +51,9 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
     ctx = StrategyContext(
         tokenizer=tokenizer,
         train_on_inputs=cfg.train_on_inputs,
-        chat_template=resolve_renderer(cfg.chat_template, tokenizer) if needs_template else None,
+        chat_template=resolve_renderer(cfg.chat_template, tokenizer, cfg.eot_tokens)
+        if needs_template
+        else None,
     )
     examples: list[Example] = []
     stats: list[DatasetStats] = []

@@ -355,7 +355,7 @@ def items_from_rows(
 
 def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPreferences:
     """Every dataset's pairs (KTO: examples), shuffled with the run's seed and split into train and validation."""
-    ctx = StrategyContext(tokenizer=tokenizer, chat_template=cfg.chat_template)
+    ctx = StrategyContext(tokenizer=tokenizer, chat_template=cfg.chat_template, eot_tokens=cfg.eot_tokens)
     strategy = cfg.excess_length_strategy
     pairs: list[PreferencePair] = []
     stats: list[DatasetStats] = []
@@ -366,7 +366,9 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
         stats.append(ds_stats)
     random.Random(cfg.seed).shuffle(pairs)
     train_count = len(pairs) - validation_count(cfg.val_set_size, len(pairs))
-    return LoadedPreferences(train=pairs[:train_count], val=pairs[train_count:], stats=[*stats, total_stats(stats)])
+    return LoadedPreferences(
+        train=pairs[:train_count], val=pairs[train_count:], stats=[*stats, total_stats(stats)]
+    )
 
 
 def _where(row: Row) -> str:

@@ -48,12 +48,13 @@ class StrategyContext:
     # The resolved renderer, or a `chat_template` setting (a name, `tokenizer_default`, inline Jinja) that is
     # resolved on first use.
     chat_template: Renderer | str | None = None
+    eot_tokens: list[str] | None = None  # Axolotl's end-of-turn tokens, for a setting resolved here
 
     @cached_property
     def renderer(self) -> Renderer:
         if isinstance(self.chat_template, Renderer):
             return self.chat_template
-        return resolve_renderer(self.chat_template, self.tokenizer)
+        return resolve_renderer(self.chat_template, self.tokenizer, self.eot_tokens)
 
     @cached_property
     def eos_id(self) -> int:

@@ -50,7 +50,7 @@ def adapter_fingerprint(cfg: Config) -> dict:
         "base_model": cfg.base_model,
         "lora_r": cfg.lora_r,
         "lora_alpha": cfg.lora_alpha,
-        "lora_targets": "all-linear" if cfg.lora_target_linear else sorted(cfg.lora_target_modules),
+        "lora_targets": cfg.lora_targets,
         # Only when set, so that checkpoints written before these keys existed still resume.
         **({"load_in_4bit": True} if cfg.load_in_4bit else {}),
         **({"peft_use_rslora": True} if cfg.peft_use_rslora else {}),

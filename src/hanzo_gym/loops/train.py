@@ -9,7 +9,9 @@ from peft import prepare_model_for_kbit_training
 from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
+from hanzo_gym.config.kernel_keys import kernel_notes
 from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
+from hanzo_gym.data.axolotl_templates import check_template_family
 from hanzo_gym.data.dataset import excess_length_note, load_examples
 from hanzo_gym.data.preference import load_preferences
 from hanzo_gym.data.prompts import load_prompts
@@ -31,7 +33,13 @@ from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.sft import SftResult, train_sft
 from hanzo_gym.loops.tail import check_finite_adapter
 from hanzo_gym.loops.trackers import open_trackers
-from hanzo_gym.model.hub import choose_precision, load_causal_lm, load_tokenizer, resolve_adapter
+from hanzo_gym.model.hub import (
+    base_model_type,
+    choose_precision,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_adapter,
+)
 from hanzo_gym.model.loader_keys import apply_tf32, attention_kernel, check_loader_class
 from hanzo_gym.model.lora import attach_lora, linear_module_names, load_trainable_lora, read_adapter_config
 
@@ -40,7 +48,7 @@ def build_engine(
     cfg: Config, device: torch.device, dtype: torch.dtype, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> Engine:
     attention, attention_note = attention_kernel(cfg.attn_implementation, device)
-    for note in (attention_note, apply_tf32(cfg.tf32, device)):
+    for note in (attention_note, apply_tf32(cfg.tf32, device), *kernel_notes(cfg)):
         if note and is_main():
             print(note, flush=True)
     model = load_causal_lm(
@@ -63,7 +71,7 @@ def build_engine(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
-    targets = "all-linear" if cfg.lora_target_linear else cfg.lora_target_modules
+    targets = cfg.lora_targets
     if cfg.lora_model_dir is not None:
         directory = resolve_adapter(cfg.lora_model_dir)
         note = starting_adapter_note(cfg, directory, model)
@@ -85,13 +93,19 @@ def starting_adapter_note(cfg: Config, directory: Path, model: torch.nn.Module) 
     Axolotl (PEFT loads the saved adapter_config.json); a line naming each lora_* value of the config that
     differs from the directory's, so that no written key goes unused without a word."""
     saved = read_adapter_config(directory)
-    targets = linear_module_names(model) if cfg.lora_target_linear else cfg.lora_target_modules
+    targets = cfg.lora_targets
+    if targets == "all-linear":
+        targets = sorted(linear_module_names(model))
+    saved_targets = saved.target_modules or []
     pairs = {
         "lora_r": (cfg.lora_r, saved.r),
         "lora_alpha": (cfg.lora_alpha, saved.lora_alpha),
         "lora_dropout": (cfg.lora_dropout, saved.lora_dropout),
         "peft_use_rslora": (cfg.peft_use_rslora, bool(saved.use_rslora)),
-        "lora_target_modules": (sorted(targets), sorted(saved.target_modules or [])),
+        "lora_target_modules": (
+            targets,
+            saved_targets if isinstance(saved_targets, str) else sorted(saved_targets),
+        ),
     }
     written = cfg.model_fields_set | (
         {"lora_target_modules"} if "lora_target_linear" in cfg.model_fields_set else set()
@@ -136,6 +150,9 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     )
     check_loader_class(
         "tokenizer_type", cfg.tokenizer_type, tokenizer, cfg.tokenizer_config or cfg.base_model
+    )
+    check_template_family(
+        cfg.chat_template, base_model_type(cfg.base_model, cfg.trust_remote_code), cfg.base_model
     )
     if cfg.rl == "grpo":
         data = load_prompts(cfg, tokenizer)

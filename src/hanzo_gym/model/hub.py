@@ -173,6 +173,14 @@ def resolve_model(base_model: str, trust_remote_code: bool = False) -> Path:
     return model_dir
 
 
+def base_model_type(base_model: str, trust_remote_code: bool = False) -> str | None:
+    """config.json's `model_type` of base_model (`qwen3`, `gemma3_text`, …)."""
+    model_type = _read_model_config(base_model, resolve_model(base_model, trust_remote_code)).get(
+        "model_type"
+    )
+    return model_type if isinstance(model_type, str) else None
+
+
 def _read_model_config(base_model: str, model_dir: Path) -> dict:
     config_path = model_dir / "config.json"
     try:

@@ -42,7 +42,10 @@ def attention_kernel(requested: str | None, device: torch.device) -> tuple[str |
     if device.type != "cuda":
         return "sdpa", f"attn_implementation: {requested} runs on CUDA only; using sdpa on {device.type}"
     if importlib.util.find_spec(package) is None:
-        return "sdpa", f"attn_implementation: {requested} needs the `{package}` package, not installed; using sdpa"
+        return (
+            "sdpa",
+            f"attn_implementation: {requested} needs the `{package}` package, not installed; using sdpa",
+        )
     return requested, None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -97,13 +98,14 @@ def keep_adapter_fp32(model: torch.nn.Module) -> None:
                 parameter.data = parameter.data.float()
 
 
-def _check_rank_fits(model: torch.nn.Module, r: int, target_modules: list[str], base_model_name: str) -> None:
+def _check_rank_fits(
+    model: torch.nn.Module, r: int, target_modules: list[str] | str, base_model_name: str
+) -> None:
     """A rank above a layer's smaller side adds nothing but memory (A is r × in, B is out × r); a huge one
     would allocate gigabytes before anything fails, so refuse it while nothing is allocated."""
-    targets = set(target_modules)
     smallest = None
     for path, module in model.named_modules():
-        if path.rsplit(".", 1)[-1] not in targets and path not in targets:
+        if not is_target(path, target_modules):
             continue
         if isinstance(module, torch.nn.Linear):  # bitsandbytes' 4-bit layers too: their weight is packed
             sides = (module.in_features, module.out_features)
@@ -120,6 +122,14 @@ def _check_rank_fits(model: torch.nn.Module, r: int, target_modules: list[str], 
             f"{inputs} → {outputs}, so the rank can be at most {min(inputs, outputs)}; set lora_r to at most "
             f"{min(inputs, outputs)}"
         )
+
+
+def is_target(path: str, target_modules: list[str] | str) -> bool:
+    """PEFT's rule: a string is a regular expression the whole module path matches; a list names modules by
+    their last name or full path."""
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, path) is not None
+    return path.rsplit(".", 1)[-1] in target_modules or path in target_modules
 
 
 def linear_module_names(model: PreTrainedModel) -> list[str]:
@@ -166,8 +176,12 @@ def write_adapter(directory: str | Path, config: LoraConfig, weights: dict[str, 
     directory.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(directory / ADAPTER_WEIGHTS))
     fields = config.to_dict()
+    targets = fields["target_modules"] or []
+    # a regular expression stays as written; a set of names is written sorted, so that the file is stable
     fields.update(
-        peft_type="LORA", inference_mode=True, target_modules=sorted(fields["target_modules"] or [])
+        peft_type="LORA",
+        inference_mode=True,
+        target_modules=targets if isinstance(targets, str) else sorted(targets),
     )
     (directory / ADAPTER_CONFIG).write_text(json.dumps(fields, indent=2, default=str) + "\n")
 

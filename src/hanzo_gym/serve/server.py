@@ -320,7 +320,9 @@ class Server:
     def banner(self) -> str:
         text = f"serving {', '.join(self.models.names())} on {self.url}"
         if self.tinker is not None:
-            text += f"; Tinker API on {self.base_url} (TINKER_BASE_URL={self.base_url} TINKER_API_KEY=tml-local)"
+            text += (
+                f"; Tinker API on {self.base_url} (TINKER_BASE_URL={self.base_url} TINKER_API_KEY=tml-local)"
+            )
         return text
 
     def start(self) -> Self:

@@ -1,0 +1,106 @@
+"""Axolotl's kernel keys and plugins that change how fast a step runs or how much memory it holds, never what
+it computes: Cut Cross Entropy, Liger's fused kernels, Axolotl's LoRA kernels and the Hugging Face kernels
+plugin (MoE grouped GEMMs). hanzo-gym runs the model's own PyTorch modules and its chunked loss instead, which
+compute the same function, so a config that asks for them trains as written; the run's first lines say, once
+per group, what runs in their place (`kernel_notes`). This is the rule the optimizers follow (a fused or 8-bit
+AdamW falls back to plain AdamW, the same update rule). A plugin or key that changes the result (a loss of
+its own, quantized experts, token scaling) is refused by name.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+CUT_CROSS_ENTROPY = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
+LIGER = "axolotl.integrations.liger.LigerPlugin"
+KERNELS = "axolotl.integrations.kernels.KernelsPlugin"
+SPEED_ONLY_PLUGINS = (CUT_CROSS_ENTROPY, LIGER, KERNELS)
+
+# Axolotl plugins that change what training does: what each does, for the refusal.
+OTHER_PLUGINS = {
+    "axolotl.integrations.diffusion.DiffusionPlugin": "diffusion language-model training",
+    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": "expert parallelism over GPUs",
+    "axolotl.integrations.llm_compressor.LLMCompressorPlugin": "sparse fine-tuning with LLM Compressor",
+    "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab experiment tracking",
+    "axolotl.integrations.kd.KDPlugin": "knowledge distillation from a teacher's logits",
+    "axolotl.integrations.lm_eval.LMEvalPlugin": "lm-eval runs after training",
+    "axolotl.integrations.spectrum.SpectrumPlugin": "Spectrum's choice of layers to unfreeze",
+    "axolotl.integrations.grokfast.GrokfastPlugin": "Grokfast gradient filtering",
+}
+
+LIGER_KEYS = (
+    "liger_rope",
+    "liger_rms_norm",
+    "liger_rms_norm_gated",
+    "liger_layer_norm",
+    "liger_glu_activation",
+    "liger_cross_entropy",
+    "liger_fused_linear_cross_entropy",
+)
+LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel")
+HF_KERNEL_KEYS = ("use_kernels", "use_scattermoe", "use_sonicmoe")
+# key → the plugin Axolotl reads it through (its other keys are the core schema's)
+PLUGIN_OF_KEY = {
+    **dict.fromkeys(LIGER_KEYS, LIGER),
+    "cut_cross_entropy": CUT_CROSS_ENTROPY,
+    "use_scattermoe": KERNELS,
+    "use_sonicmoe": KERNELS,
+}
+
+
+class KernelKeys(BaseModel):
+    """The kernel keys of `Config` (a base class of it, so they sit at the top level as in Axolotl)."""
+
+    plugins: list[str] = []
+    cut_cross_entropy: bool | None = None
+    liger_rope: bool | None = None
+    liger_rms_norm: bool | None = None
+    liger_rms_norm_gated: bool | None = None
+    liger_layer_norm: bool | None = None
+    liger_glu_activation: bool | None = None
+    liger_cross_entropy: bool | None = None
+    liger_fused_linear_cross_entropy: bool | None = None
+    lora_mlp_kernel: bool | None = None
+    lora_qkv_kernel: bool | None = None
+    lora_o_kernel: bool | None = None
+    use_kernels: bool | None = None
+    use_scattermoe: bool | None = None
+    use_sonicmoe: bool | None = None
+
+
+def check_kernel_keys(cfg: KernelKeys) -> None:
+    """ValueError with the sentence to show."""
+    for plugin in cfg.plugins:
+        if plugin in OTHER_PLUGINS:
+            raise ValueError(
+                f"Axolotl's plugin `{plugin}` ({OTHER_PLUGINS[plugin]}) is not supported yet; remove it"
+            )
+        if plugin not in SPEED_ONLY_PLUGINS:
+            raise ValueError(
+                f"plugins: `{plugin}` is not an Axolotl plugin hanzo-gym knows; the ones that load are "
+                f"{', '.join(SPEED_ONLY_PLUGINS)}"
+            )
+    for key, plugin in PLUGIN_OF_KEY.items():
+        if getattr(cfg, key) and plugin not in cfg.plugins:
+            raise ValueError(
+                f"`{key}` is an option of Axolotl's plugin {plugin}, which `plugins` does not list "
+                "(Axolotl would not read it): add the plugin or remove the key"
+            )
+
+
+def kernel_notes(cfg: KernelKeys) -> list[str]:
+    """One line per kind of kernel the config asks for, saying what runs instead."""
+    notes = []
+    if CUT_CROSS_ENTROPY in cfg.plugins or cfg.liger_fused_linear_cross_entropy:
+        notes.append(
+            "Cut Cross Entropy / Liger's fused linear cross entropy: not needed; the loss is computed in chunks "
+            "of positions already, so the full logits are never held in memory"
+        )
+    asked = [key for key in (*LIGER_KEYS, *LORA_KERNEL_KEYS, *HF_KERNEL_KEYS) if getattr(cfg, key)]
+    asked = [key for key in asked if key != "liger_fused_linear_cross_entropy"]
+    if asked:
+        notes.append(
+            f"{', '.join(asked)}: fused kernels are not applied; the model's own PyTorch modules run, which "
+            "compute the same function (the kernels only save time and memory on CUDA)"
+        )
+    return notes
