@@ -21,10 +21,10 @@ CONFIGS = Path(__file__).parent / "axolotl_configs"
 # What still blocks each config as written (shrink as the features land: issue 13).
 STILL_REFUSED = {
     "llama-3--instruct-dpo-lora-8b.yml": {"load_in_8bit"},
-    "llama-3--qlora-1b-kto.yaml": {"dataset_prepared_path"},
+    "llama-3--qlora-1b-kto.yaml": set(),
     # (its special_tokens add <|im_start|> / <|im_end|> to Mistral's vocabulary: refused when the tokenizer loads)
     "mistral--dpo--mistral-dpo-qlora.yml": {"lora_modules_to_save"},
-    "mistral--orpo--mistral-qlora-orpo.yml": {"dataset_prepared_path"},
+    "mistral--orpo--mistral-qlora-orpo.yml": set(),
     "qwen2--dpo.yaml": {"adapter"},
 }
 # Keys that name a model of their own (Mistral, Llama classes and tokens): the tiny model is a Qwen3.
@@ -50,6 +50,8 @@ def _with_local_paths(name: str, tmp_path: Path, base_model: str) -> dict:
     data = yaml.safe_load((CONFIGS / name).read_text())
     data["base_model"] = base_model
     data["output_dir"] = str(tmp_path / "run")
+    if data.get("dataset_prepared_path"):  # relative to the working directory, as in Axolotl
+        data["dataset_prepared_path"] = str(tmp_path / data["dataset_prepared_path"])
     for number, ds in enumerate(data["datasets"]):
         path = tmp_path / f"data-{number}.jsonl"
         rows = []
@@ -76,6 +78,9 @@ def _refused_keys(message: str) -> set[str]:
 @pytest.mark.parametrize("name", sorted(STILL_REFUSED))
 def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp_path):
     data = _with_local_paths(name, tmp_path, "unused")
+    if not STILL_REFUSED[name]:
+        parse_config(data, name)
+        return
     with pytest.raises(ConfigError) as refused:
         parse_config(data, name)
     assert _refused_keys(str(refused.value)) == STILL_REFUSED[name], str(refused.value)

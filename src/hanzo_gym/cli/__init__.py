@@ -25,19 +25,19 @@ def _train(args: argparse.Namespace) -> None:
 
 def _preprocess(args: argparse.Namespace) -> None:
     from hanzo_gym.config import load_config
-    from hanzo_gym.data.axolotl_templates import check_template_family
-    from hanzo_gym.data.dataset import format_stats, load_examples
-    from hanzo_gym.model.hub import base_model_type, load_tokenizer
+    from hanzo_gym.data.dataset import format_stats
+    from hanzo_gym.loops.train import load_run_data
+    from hanzo_gym.model.hub import load_tokenizer
 
     cfg = load_config(args.config)
-    check_template_family(
-        cfg.chat_template, base_model_type(cfg.base_model, cfg.trust_remote_code), cfg.base_model
+    tokenizer = load_tokenizer(
+        cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles, cfg.trust_remote_code
     )
-    data = load_examples(
-        cfg,
-        load_tokenizer(cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles, cfg.trust_remote_code),
-    )
-    print(format_stats(data.stats))
+    data, what = load_run_data(cfg, tokenizer)
+    if cfg.rl == "grpo":
+        print(f"{len(data.train)} train and {len(data.val)} validation {what}")
+    else:
+        print(format_stats(data.stats))
 
 
 def _merge(args: argparse.Namespace) -> None:
@@ -95,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config")
     train.set_defaults(handler=_train)
 
-    preprocess = commands.add_parser("preprocess", help="tokenize the datasets and print counts; no training")
+    preprocess = commands.add_parser(
+        "preprocess",
+        help="tokenize the datasets and print counts (and fill dataset_prepared_path); no training",
+    )
     preprocess.add_argument("config")
     preprocess.set_defaults(handler=_preprocess)
 

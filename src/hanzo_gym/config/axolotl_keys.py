@@ -21,7 +21,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "sdp_attention": ("the torch SDPA attention switch", "remove it; models load with sdpa already"),
     "xformers_attention": ("xFormers attention kernels", "remove it; models load with sdpa"),
     "tokens": ("adding tokens to the vocabulary", "remove it"),
-    "dataset_prepared_path": ("a folder caching the tokenized datasets", "remove it or leave it empty"),
     "lora_modules_to_save": ("training whole modules (e.g. embeddings) beside LoRA", "remove it"),
     "peft_use_dora": ("DoRA (weight-decomposed LoRA)", "remove it; vLLM does not serve DoRA adapters"),
     "load_in_8bit": (

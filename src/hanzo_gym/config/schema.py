@@ -168,6 +168,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     )
     datasets: list[DatasetConfig] = Field(min_length=1)
     val_set_size: float = Field(0.0, ge=0)
+    dataset_prepared_path: str | None = None  # a folder keeping the tokenized datasets (data/prepared.py)
     output_dir: str
     sequence_len: int = Field(2048, gt=1)
     # SFT examples longer than sequence_len: dropped (Axolotl's default), cut to it, or an error

@@ -7,6 +7,7 @@ A split is `name` or `name[lo:hi]`, where each bound is empty, a row index or a 
 from __future__ import annotations
 
 import codecs
+import contextvars
 import json
 import logging
 import math
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
 SPLIT_WORDS = ("train", "test", "validation", "valid", "dev")
+# Set while `data_file_paths` lists files for a fingerprint: the selection is printed when the rows are read.
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("quiet_selection", default=False)
+
 # HfHubHTTPError subclasses httpx2.HTTPError, so this covers hub error answers and lost connections alike.
 HUB_UNAVAILABLE = (OfflineModeIsEnabled, httpx2.HTTPError, LocalEntryNotFoundError)
 
@@ -121,6 +125,16 @@ def read_rows(path: str, split: str | None = None, data_files: list[str] | None 
     rows = [row for label, local in files for row in _read_file(local, label)]
     lo, hi = spec.bounds(len(rows))
     return rows[lo:hi]
+
+
+def data_file_paths(path: str, split: str | None = None, data_files: list[str] | None = None) -> list[Path]:
+    """The local files `read_rows` reads for this dataset, without printing the folder's file selection
+    (`read_rows` prints it when it reads them)."""
+    token = _QUIET.set(True)
+    try:
+        return [local for _, local in _source_files(path, Split.parse(split or "train").name, data_files)]
+    finally:
+        _QUIET.reset(token)
 
 
 def _source_files(path: str, split_name: str, data_files: list[str] | None) -> list[tuple[str, Path]]:
@@ -206,7 +220,7 @@ def describe_selection(where: str, split_name: str, chosen: list[str], skipped: 
 
 def _report_selection(where: str, split_name: str, chosen: list[str], skipped: list[str]) -> None:
     """Print the file selection of a folder or hub dataset (rank 0 alone under torchrun)."""
-    if is_launched_main():
+    if is_launched_main() and not _QUIET.get():
         message = describe_selection(where, split_name, chosen, skipped)
         if skipped:
             message += " (list the files in data_files to choose them yourself)"

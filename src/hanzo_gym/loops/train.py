@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import prepare_model_for_kbit_training
@@ -14,6 +15,7 @@ from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
 from hanzo_gym.data.axolotl_templates import check_template_family
 from hanzo_gym.data.dataset import excess_length_note, load_examples
 from hanzo_gym.data.preference import load_preferences
+from hanzo_gym.data.prepared import load_prepared
 from hanzo_gym.data.prompts import load_prompts
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine.distributed import (
@@ -137,6 +139,26 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
     return Path(wanted)  # the config checked that it is a directory
 
 
+def load_run_data(cfg: Config, tokenizer: PreTrainedTokenizerBase, write: bool = True) -> tuple[Any, str]:
+    """The run's tokenized data (SFT examples, preference pairs or GRPO prompts) and what its items are called;
+    read from or saved to `dataset_prepared_path` when that is set (saved only where `write`)."""
+    check_template_family(
+        cfg.chat_template, base_model_type(cfg.base_model, cfg.trust_remote_code), cfg.base_model
+    )
+    if cfg.rl == "grpo":
+        load, what = load_prompts, "prompts"
+    elif cfg.rl in PREFERENCE_METHODS:
+        load, what = load_preferences, ("pairs" if cfg.rl != "kto" else "examples")
+    else:
+        load, what = load_examples, "examples"
+    data, note = load_prepared(cfg, tokenizer, load, write=write)
+    if note and is_main():
+        print(note, flush=True)
+    if cfg.rl == "grpo" and data.dropped and is_main():
+        print(f"dropped {data.dropped} prompts longer than sequence_len {cfg.sequence_len}", flush=True)
+    return data, what
+
+
 def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | GrpoResult | PreferenceResult:
     """Train and write the run directory (rank 0 only under torchrun). The final adapter goes to the run
     directory's top level, or into `adapter_dir` (a folder of its own) when given."""
@@ -151,20 +173,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     check_loader_class(
         "tokenizer_type", cfg.tokenizer_type, tokenizer, cfg.tokenizer_config or cfg.base_model
     )
-    check_template_family(
-        cfg.chat_template, base_model_type(cfg.base_model, cfg.trust_remote_code), cfg.base_model
-    )
-    if cfg.rl == "grpo":
-        data = load_prompts(cfg, tokenizer)
-        what = "prompts"
-        if data.dropped and is_main():
-            print(f"dropped {data.dropped} prompts longer than sequence_len {cfg.sequence_len}", flush=True)
-    elif cfg.rl in PREFERENCE_METHODS:
-        data = load_preferences(cfg, tokenizer)
-        what = "pairs" if cfg.rl != "kto" else "examples"
-    else:
-        data = load_examples(cfg, tokenizer)
-        what = "examples"
+    data, what = load_run_data(cfg, tokenizer, write=is_main())
     if cfg.rl != "grpo":
         note = excess_length_note(cfg, data.stats, what)  # over-long items dropped or truncated, how many
         if note and is_main():
