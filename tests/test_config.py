@@ -318,13 +318,13 @@ def test_every_refusal_of_a_file_is_listed_together_in_line_order(tmp_path):
         "lora_alpah: 32\n"  # 9
         "micro_batch_size: 0\n"  # 10
         "fp16: true\n"  # 11
-        "dataset_prepared_path: ./prepared\n"  # 12
+        "load_in_8bit: true\n"  # 12
         "optimizer: sgd\n"  # 13
     )
     lines = _error(tmp_path, text).splitlines()
     assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in lines] == ["8", "9", "10", "11", "12", "13"]
     assert "`deepspeed`" in lines[0] and "`lora_alpah`" in lines[1] and "`micro_batch_size`" in lines[2]
-    assert "`fp16`" in lines[3] and "`dataset_prepared_path`" in lines[4] and "optimizer: sgd" in lines[5]
+    assert "`fp16`" in lines[3] and "`load_in_8bit`" in lines[4] and "optimizer: sgd" in lines[5]
 
 
 def test_unknown_keys_still_fail(tmp_path):

@@ -1,5 +1,6 @@
-"""Axolotl's kernel plugins and keys, regular-expression `lora_target_modules`, `evals_per_epoch: 0`, its chat
-template names and `eot_tokens` (issue 13): each does what Axolotl does, or fails with the reason."""
+"""Axolotl's kernel plugins and keys (and the old `flash_attention`), regular-expression `lora_target_modules`,
+`evals_per_epoch: 0`, its chat template names, `eot_tokens` and `drop_system_message` (issue 13): each does what
+Axolotl does, or fails with the reason."""
 
 from __future__ import annotations
 
@@ -171,3 +172,23 @@ def test_an_axolotl_template_name_of_another_family_is_refused(
     assert "chat_template: gemma3 is Gemma 3's template, but base_model" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="LLaVA's vision template"):
         resolve_renderer("llava", qwen3_tokenizer)
+
+
+def test_the_old_flash_attention_switch_means_flash_attention_2(tmp_path):
+    assert load_text(tmp_path, BASE + "flash_attention: true\n").attn_implementation == "flash_attention_2"
+    assert load_text(tmp_path, BASE + "flash_attention: false\n").attn_implementation is None
+    message = error_of(tmp_path, BASE + "flash_attention: true\nattn_implementation: eager\n")
+    assert "flash_attention: true means attn_implementation flash_attention_2" in message
+
+
+def test_drop_system_message_leaves_out_the_leading_system_turn(qwen3_tokenizer):
+    from hanzo_gym.config.schema import DatasetConfig
+    from hanzo_gym.data.strategies import chat_messages
+
+    turns = [{"role": "system", "content": "Be brief."}, *_two_turns()]
+    row = Row({"messages": turns}, "d.jsonl", 1)
+    kept = chat_messages(row, DatasetConfig(path="d.jsonl", type="chat_template"))
+    dropped = chat_messages(
+        row, DatasetConfig(path="d.jsonl", type="chat_template", drop_system_message=True)
+    )
+    assert kept[0]["role"] == "system" and dropped == kept[1:]

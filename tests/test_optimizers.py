@@ -77,6 +77,19 @@ def test_fused_and_plain_adamw_take_the_same_steps():
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=ADAM.learning_rate * 1e-3)
 
 
+@pytest.mark.parametrize("name", ["adamw_torch_4bit", "adamw_torch_8bit"])
+def test_torchaos_low_bit_names_run_plain_adamw_and_say_so(name):
+    factory, note = build_optimizer_factory(name, CPU)
+    assert type(factory([torch.nn.Parameter(torch.zeros(3))])) is torch.optim.AdamW
+    assert note.startswith(f"optimizer {name}: torchao's") and "the same update" in note
+    plain, low_bit = _engine("adamw_torch"), _engine(name)
+    for _ in range(2):
+        _step(plain)
+        _step(low_bit)
+    for a, b in zip(plain.trainable, low_bit.trainable):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0)
+
+
 def test_bitsandbytes_names_on_cpu():
     # bitsandbytes 0.50 runs its 8-bit AdamW on CPU but pages state only on CUDA.
     factory, note = build_optimizer_factory("adamw_bnb_8bit", CPU)

@@ -60,6 +60,7 @@ class DatasetConfig(_Strict):
     split: str | None = None
     data_files: list[str] | None = None
     field_messages: str = "messages"
+    drop_system_message: bool = False  # leave out a conversation's leading system turn
     message_property_mappings: MessagePropertyMappings | None = None
     roles_to_train: list[str] = ["assistant"]
     train_on_eos: Literal["turn", "last", "all", "none"] = "turn"
@@ -208,6 +209,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
         "adamw_8bit",
         "paged_adamw_8bit",
         "paged_adamw_32bit",
+        "adamw_torch_4bit",
+        "adamw_torch_8bit",
     ] = "adamw_torch_fused"
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
@@ -233,6 +236,9 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     bf16: Literal["auto", True, False] = "auto"
     tf32: Literal["auto", True, False] | None = None  # CUDA's TF32 matmuls; no effect on a CPU
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] | None = None
+    flash_attention: bool | None = (
+        None  # Axolotl's older switch: true means attn_implementation flash_attention_2
+    )
     model_type: str | None = None  # Axolotl's model class, checked against what base_model loads as
     tokenizer_type: str | None = None  # Axolotl's tokenizer class, likewise
     gradient_checkpointing: bool = False
@@ -276,6 +282,13 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
 
     @model_validator(mode="after")
     def _cross_key_rules(self) -> Config:
+        if self.flash_attention:
+            if self.attn_implementation not in (None, "flash_attention_2"):
+                raise ValueError(
+                    f"flash_attention: true means attn_implementation flash_attention_2, and the config also says "
+                    f"attn_implementation: {self.attn_implementation}; give one of them"
+                )
+            self.attn_implementation = "flash_attention_2"  # Axolotl's own normalization of the old switch
         if self.adapter == "none":
             raise ValueError("full fine-tuning (adapter: none) is not supported yet; set `adapter: lora`")
         if (self.adapter == "qlora") != self.load_in_4bit:
@@ -502,10 +515,16 @@ def _value_refusal(key: str, value: Any) -> str | None:
         return None
     if sentence is not None:
         return sentence
+    if key == "attn_implementation" and isinstance(value, str) and "/" in value:
+        return (
+            f"Axolotl's `attn_implementation: {value}` (an attention kernel from the Hugging Face hub) is not "
+            "supported yet; use sdpa or flash_attention_2"
+        )
     if key == "optimizer" and value in OTHER_OPTIMIZERS:
         return (
             f"Axolotl's `optimizer: {value}` (an update rule other than AdamW) is not supported yet; use "
-            "adamw_torch_fused, adamw_torch, adamw_bnb_8bit / adamw_8bit, paged_adamw_8bit or paged_adamw_32bit"
+            "adamw_torch_fused, adamw_torch, adamw_bnb_8bit / adamw_8bit, paged_adamw_8bit, paged_adamw_32bit or "
+            "adamw_torch_4bit / adamw_torch_8bit"
         )
     if key == "lr_scheduler" and value in OTHER_SCHEDULERS:
         return (

@@ -87,7 +87,8 @@ def canonical_role(role: str) -> str:
 
 def chat_messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
     """The row's turns as template messages: mapped `role`/`content`, canonical roles, and the row's `system`
-    field prepended as a system turn unless the conversation starts with one. Other keys pass through."""
+    field prepended as a system turn unless the conversation starts with one (a leading system turn is left
+    out with `drop_system_message`, as in Axolotl). Other keys pass through."""
     where = _where(row)
     turns = row.data.get(ds.field_messages)
     if not isinstance(turns, list):
@@ -111,6 +112,8 @@ def chat_messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
     system = row.data.get("system")
     if isinstance(system, str) and (not messages or messages[0]["role"] != "system"):
         messages.insert(0, {"role": "system", "content": system})
+    if ds.drop_system_message and messages and messages[0]["role"] == "system":
+        messages = messages[1:]
     return messages
 
 

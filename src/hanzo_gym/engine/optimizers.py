@@ -24,6 +24,8 @@ BITSANDBYTES_ADAMW = {
     "paged_adamw_8bit": (8, True),
     "paged_adamw_32bit": (32, True),
 }
+# HF's names of torchao's low-bit AdamW: the same update, moments stored in 4 or 8 bits.
+TORCHAO_ADAMW = {"adamw_torch_4bit": "4-bit", "adamw_torch_8bit": "8-bit"}
 # bitsandbytes keeps moments of tensors smaller than this in 32 bits; the probe must reach the 8-bit path.
 _PROBE_NUMEL = 8192
 
@@ -46,6 +48,12 @@ def build_optimizer_factory(name: str, device: torch.device) -> tuple[OptimizerF
         )
     if name in BITSANDBYTES_ADAMW:
         return _bitsandbytes_factory(name, device)
+    if name in TORCHAO_ADAMW:
+        return plain_adamw, (
+            f"optimizer {name}: torchao's {TORCHAO_ADAMW[name]} AdamW is not used (its quantized moments are tensor "
+            "subclasses that the safetensors checkpoints cannot hold); using the plain torch AdamW, the same "
+            "update with moments in full precision"
+        )
     raise ValueError(f"unknown optimizer {name!r}")
 
 
