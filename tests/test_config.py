@@ -127,8 +127,8 @@ def test_duplicate_key_is_an_error(tmp_path):
     ("extra", "expected"),
     [
         (
-            "load_in_8bit: true\n",
-            "Axolotl's `load_in_8bit` (a bitsandbytes 8-bit base model) is not supported yet",
+            "unfrozen_parameters: ['^lm_head.weight$']\n",
+            "Axolotl's `unfrozen_parameters` (training chosen base-model parameters) is not supported yet",
         ),
         ("fp16: true\n", "Axolotl's `fp16` (float16 mixed precision) is not supported yet"),
     ],
@@ -282,7 +282,7 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
     ("extra", "expected"),
     [
         ("lora_modules_to_save: [embed_tokens]\n", "`lora_modules_to_save` (training whole modules"),
-        ("load_in_8bit: true\n", "`load_in_8bit` (a bitsandbytes 8-bit base model)"),
+        ("quantize_moe_experts: true\n", "`quantize_moe_experts` (quantizing the MoE expert weights)"),
         ("fp16: true\n", "`fp16` (float16 mixed precision)"),
         ("deepspeed: deepspeed_configs/zero2.json\n", "`deepspeed` (DeepSpeed ZeRO sharding)"),
         (
@@ -318,13 +318,13 @@ def test_every_refusal_of_a_file_is_listed_together_in_line_order(tmp_path):
         "lora_alpah: 32\n"  # 9
         "micro_batch_size: 0\n"  # 10
         "fp16: true\n"  # 11
-        "load_in_8bit: true\n"  # 12
+        "relora: true\n"  # 12
         "optimizer: sgd\n"  # 13
     )
     lines = _error(tmp_path, text).splitlines()
     assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in lines] == ["8", "9", "10", "11", "12", "13"]
     assert "`deepspeed`" in lines[0] and "`lora_alpah`" in lines[1] and "`micro_batch_size`" in lines[2]
-    assert "`fp16`" in lines[3] and "`load_in_8bit`" in lines[4] and "optimizer: sgd" in lines[5]
+    assert "`fp16`" in lines[3] and "`relora`" in lines[4] and "optimizer: sgd" in lines[5]
 
 
 def test_unknown_keys_still_fail(tmp_path):

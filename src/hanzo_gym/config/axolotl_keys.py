@@ -22,10 +22,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "tokens": ("adding tokens to the vocabulary", "remove it"),
     "lora_modules_to_save": ("training whole modules (e.g. embeddings) beside LoRA", "remove it"),
     "peft_use_dora": ("DoRA (weight-decomposed LoRA)", "remove it; vLLM does not serve DoRA adapters"),
-    "load_in_8bit": (
-        "a bitsandbytes 8-bit base model",
-        "use `adapter: qlora` with `load_in_4bit: true`, or `adapter: lora`",
-    ),
     "early_stopping_patience": ("stopping when the eval loss stops improving", "remove it"),
     "remove_unused_columns": (
         "dropping the dataset columns the trainer does not read",

@@ -184,6 +184,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     load_in_4bit: bool = (
         False  # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes), the adapter in full precision
     )
+    load_in_8bit: bool = False  # LoRA on a frozen base in bitsandbytes' 8-bit (LLM.int8()) layers
     lora_r: int = Field(8, gt=0)
     lora_alpha: float = Field(16.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -295,6 +296,11 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
             raise ValueError(
                 "adapter: qlora and load_in_4bit: true go together (QLoRA: a LoRA adapter on a 4-bit base); "
                 "set both, or `adapter: lora` without load_in_4bit"
+            )
+        if self.load_in_8bit and self.adapter != "lora":
+            raise ValueError(
+                "load_in_8bit: true trains a LoRA adapter on an 8-bit base: it goes with `adapter: lora` (a 4-bit "
+                "base is `adapter: qlora` with load_in_4bit), not with both"
             )
         if not (self.lora_target_linear or self.lora_target_modules):
             raise ValueError("lora needs `lora_target_modules` or `lora_target_linear: true`")

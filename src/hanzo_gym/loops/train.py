@@ -57,12 +57,13 @@ def build_engine(
         cfg.base_model,
         dtype,
         load_in_4bit=cfg.load_in_4bit,
+        load_in_8bit=cfg.load_in_8bit,
         device=device,
         attn_implementation=attention,
         trust_remote_code=cfg.trust_remote_code,
     )
     check_loader_class("model_type", cfg.model_type, model, cfg.base_model)
-    if cfg.load_in_4bit:
+    if cfg.load_in_4bit or cfg.load_in_8bit:
         # peft's preparation for k-bit training: the frozen base's remaining layers (norms, embeddings, output)
         # in fp32, which keeps a bf16 QLoRA run stable. Checkpointing is set up below, non-reentrant.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

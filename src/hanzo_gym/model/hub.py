@@ -241,10 +241,12 @@ def load_causal_lm(
     device: torch.device | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    load_in_8bit: bool = False,
 ) -> transformers.PreTrainedModel:
     """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
-    linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; the output layer stays
-    in `dtype`. `attn_implementation` picks transformers' attention kernel (its default, sdpa, when None).
+    linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; with `load_in_8bit`
+    they are bitsandbytes' LLM.int8() layers (int8 weights, outlier features in 16 bits); the output layer
+    stays in `dtype`. `attn_implementation` picks transformers' attention kernel (its default, sdpa, when None).
     `trust_remote_code` (Axolotl's key, passed to from_pretrained as Axolotl does) lets a model whose
     config.json maps AutoModelForCausalLM to the repository's own Python code load: transformers runs it."""
     model_dir = resolve_model(base_model, trust_remote_code)
@@ -252,15 +254,16 @@ def load_causal_lm(
     placement: dict = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if trust_remote_code:
         placement["trust_remote_code"] = True
-    if load_in_4bit:
-        placement["quantization_config"] = _four_bit_config(dtype)
+    quantized = load_in_4bit or load_in_8bit
+    if quantized:
+        placement["quantization_config"] = _four_bit_config(dtype) if load_in_4bit else _eight_bit_config()
         if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
             placement["device_map"] = {"": str(device)}
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement)
         if load_in_4bit:
             _keep_4bit_weights_trainable(model)
-        return model.to(device) if device is not None and not load_in_4bit else model
+        return model.to(device) if device is not None and not quantized else model
     except SafetensorError as error:
         raise ModelError(
             f"{_unreadable_weights(model_dir) or model_dir}: unreadable weights of base_model `{base_model}` "
@@ -301,13 +304,22 @@ def model_key(base_model: str) -> str:
     return str(local.resolve()) if local.exists() else base_model
 
 
-def _four_bit_config(compute_dtype: torch.dtype) -> transformers.BitsAndBytesConfig:
+def _need_bitsandbytes(key: str) -> None:
     try:
         import bitsandbytes  # noqa: F401 - only to say clearly that it is missing
     except ImportError:
         raise ModelError(
-            "load_in_4bit needs bitsandbytes: pip install 'hanzo-gym[qlora]' (or pip install bitsandbytes)"
+            f"{key} needs bitsandbytes: pip install 'hanzo-gym[qlora]' (or pip install bitsandbytes)"
         ) from None
+
+
+def _eight_bit_config() -> transformers.BitsAndBytesConfig:
+    _need_bitsandbytes("load_in_8bit")
+    return transformers.BitsAndBytesConfig(load_in_8bit=True)  # Axolotl's: LLM.int8() with threshold 6.0
+
+
+def _four_bit_config(compute_dtype: torch.dtype) -> transformers.BitsAndBytesConfig:
+    _need_bitsandbytes("load_in_4bit")
     return transformers.BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",

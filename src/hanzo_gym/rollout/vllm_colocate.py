@@ -36,10 +36,10 @@ class ColocatedVllmSampler(VllmSampler):
                 "colocated vLLM under torchrun is not supported yet: start one `vllm serve` and use "
                 "`trl.vllm_mode: server`"
             )
-        if cfg.load_in_4bit:
+        if cfg.load_in_4bit or cfg.load_in_8bit:
             raise GymError(
-                "vLLM rollouts with a 4-bit (QLoRA) base would sample from a full-precision copy of the base, "
-                "not the policy being trained; use `adapter: lora`"
+                "vLLM rollouts with a quantized (4-bit or 8-bit) base would sample from a full-precision copy of "
+                "the base, not the policy being trained; use `adapter: lora` without load_in_4bit / load_in_8bit"
             )
         super().__init__(engine)
         vllm = import_vllm()
