@@ -2,6 +2,7 @@
 the metrics users know, KL and resume work."""
 
 import json
+import sys
 
 import pytest
 import yaml
@@ -147,3 +148,42 @@ def test_a_logged_row_is_the_mean_of_its_window(tmp_path, tiny_word_base, counti
             assert row[key] == pytest.approx(sum(given) / len(given), rel=1e-9, abs=1e-12), key
         assert row["lr"] == window[-1]["lr"]
     assert len({round(s["reward"], 6) for s in steps[:3]}) > 1  # the steps differ: a mean, not a pick
+
+
+def test_axolotls_reward_module_by_dotted_path_trains_on_chat_prompts(tmp_path, tiny_word_base, monkeypatch):
+    """Axolotl's GRPO quick start: `reward_funcs: [rewards.accuracy_reward, rewards.format_reward]` from a
+    rewards.py in the working directory, with reward_weights, on chat prompts with an `answer` column."""
+    (tmp_path / "rewards.py").write_text(
+        "def accuracy_reward(completions, answer, **kwargs):\n"
+        "    return [1.0 if c[0]['content'].split()[-1:] == [a] else 0.0 for c, a in zip(completions, answer)]\n"
+        "def format_reward(completions, **kwargs):\n"
+        "    return [float('four' in c[0]['content']) for c in completions]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "rewards", raising=False)
+    data = tmp_path / "chats.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": w}], "answer": "four"} for w in ("one two", "five six") * 4
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = _config(
+        tmp_path,
+        tiny_word_base,
+        data,
+        datasets=[{"path": str(data), "type": "chat_template"}],
+        max_steps=2,
+        trl={
+            "reward_funcs": ["rewards.accuracy_reward", "rewards.format_reward"],
+            "reward_weights": [1.0, 0.5],
+        },
+    )
+    assert main(["train", str(config)]) == 0
+    rows = [row for row in _rows(tmp_path / "run") if "reward" in row]
+    assert rows and all(
+        {"rewards/rewards.accuracy_reward/mean", "rewards/rewards.format_reward/mean"} <= set(row)
+        for row in rows
+    )
+    for row in rows:  # the total is the weighted sum of the two, as in TRL
+        want = row["rewards/rewards.accuracy_reward/mean"] + 0.5 * row["rewards/rewards.format_reward/mean"]
+        assert row["reward"] == pytest.approx(want, abs=1e-6)
+    monkeypatch.delitem(sys.modules, "rewards", raising=False)

@@ -525,3 +525,67 @@ def test_http_reward_is_finite(server, sleeps):
     server.reply = lambda i, body: (200, {}, b'{"reward": NaN}')
     with pytest.raises(GymError, match='expected {"reward": number}'):
         parse_reward(server.url)([completion("a")])
+
+
+# --- module.function: TRL's signature, as Axolotl's configs name rewards ------------------------------------
+
+CHAT_PROMPT = ({"role": "user", "content": "What is 2 plus 2?"},)
+
+
+def _chat_completion(text: str, **columns) -> Completion:
+    return Completion(
+        prompt="<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\n",
+        text=text,
+        answer=columns.get("answer"),
+        num_tokens=3,
+        prompt_messages=CHAT_PROMPT,
+        token_ids=(5, 6, 7),
+        columns=columns,
+    )
+
+
+def test_trls_own_reward_functions_run_by_their_dotted_path():
+    """trl.rewards' functions, unchanged: conversational completions, a `solution` column, completion ids."""
+    think = parse_reward("trl.rewards.think_format_reward")
+    assert think([_chat_completion("<think>\nsum\n</think>\n4"), _chat_completion("4")]) == [1.0, 0.0]
+    import trl.rewards
+    from trl.rewards import get_soft_overlong_punishment
+
+    trl.rewards.soft_overlong_for_test = get_soft_overlong_punishment(
+        max_completion_len=4, soft_punish_cache=2
+    )
+    try:
+        overlong = parse_reward("trl.rewards.soft_overlong_for_test")
+        # 3 completion tokens of at most 4, 2 of them a soft zone: (4 - 2 - 3) / 2 = -0.5
+        assert overlong([_chat_completion("x")]) == [-0.5]
+    finally:
+        del trl.rewards.soft_overlong_for_test
+
+
+def test_axolotls_docs_reward_module_gets_conversational_completions_and_the_answer_column(user_module):
+    module = user_module(
+        "import re\n"
+        "def accuracy_reward(completions, answer, **kwargs):\n"
+        "    out = []\n"
+        "    for completion, correct in zip(completions, answer):\n"
+        "        numbers = re.findall(r'-?\\d+(?:\\.\\d+)?', completion[0]['content'])\n"
+        "        out.append(1.0 if (numbers[-1] if numbers else '') == str(correct) else 0.0)\n"
+        "    return out\n"
+        "def seen(prompts, completions, completion_ids, **kwargs):\n"
+        "    assert prompts[0] == [{'role': 'user', 'content': 'What is 2 plus 2?'}], prompts\n"
+        "    assert completion_ids == [[5, 6, 7], [5, 6, 7]] and kwargs['level'] == ['easy', None]\n"
+        "    return [float(len(completions))] * len(completions)\n"
+    )
+    accuracy = parse_reward(f"{module}.accuracy_reward")
+    batch = [_chat_completion("It is 4", answer="4", level="easy"), _chat_completion("5", answer="4")]
+    assert accuracy(batch) == [1.0, 0.0]
+    assert parse_reward(f"{module}.seen")(batch) == [2.0, 2.0]
+
+
+def test_a_dotted_reward_on_plain_text_prompts_gets_strings(user_module):
+    module = user_module(
+        "def r(prompts, completions, **kwargs):\n    return [float(p == 'Q?' and c == 'a') for p, c in zip(prompts, completions)]\n"
+    )
+    assert parse_reward(f"{module}.r")([completion("a"), completion("b")]) == [1.0, 0.0]
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_module_xyz'"):
+        parse_reward("no_such_module_xyz.reward")

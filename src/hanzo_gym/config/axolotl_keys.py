@@ -84,7 +84,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
         for key, what in (
             ("quantize_moe_experts", "quantizing the MoE expert weights"),
             ("tokenizer_use_mistral_common", "Mistral's own tokenizer library"),
-            ("ddp_find_unused_parameters", "DDP's search for unused parameters"),
             ("activation_offloading", "offloading activations to CPU memory"),
             ("resize_token_embeddings_to_32x", "padding the embedding matrix to a multiple of 32"),
             ("gemma4_hybrid_attn_impl", "Gemma 4's hybrid attention kernels"),

@@ -234,6 +234,10 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     # Axolotl's `strict`: whether command-line overrides may add keys the YAML lacks. hanzo-gym takes no
     # overrides (the YAML is the whole config) and refuses unknown keys either way, so both values load.
     strict: bool = False
+    # DDP's search for parameters without a gradient (so that it does not wait for them). hanzo-gym's data
+    # parallelism reduces every trainable gradient in one flat all-reduce, a missing one as zeros, so no rank
+    # ever waits on an unused parameter: both values run the same.
+    ddp_find_unused_parameters: bool | None = None
     bf16: Literal["auto", True, False] = "auto"
     tf32: Literal["auto", True, False] | None = None  # CUDA's TF32 matmuls; no effect on a CPU
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] | None = None

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 Loaded = TypeVar("Loaded", LoadedData, LoadedPreferences, LoadedPrompts)
 
-FORMAT = 1
+FORMAT = 2  # 2: prompts keep their messages
 DATA_FILE = "prepared.json"
 INPUTS_FILE = "inputs.json"
 # Every config key a loader of `hanzo_gym.data` reads (dataset.py, preference.py, prompts.py).

@@ -24,6 +24,8 @@ class Prompt:
     tokens: list[int]
     text: str
     answer: str | None
+    messages: list[dict] | None = None  # the conversation the prompt renders, for chat and alpaca rows
+    columns: dict | None = None  # the row's other fields (TRL hands them to reward functions by name)
 
 
 @dataclass
@@ -55,7 +57,8 @@ def prompt_from_row(
     alpaca: the instruction (and input) as one user turn, answer = output; completion: the text itself."""
     if ds.type == "completion":
         text = _required(row, ds.field, "field")
-        return Prompt(tokenizer.encode(text, add_special_tokens=True), text, _row_answer(row))
+        columns = _other_columns(row, (ds.field,))
+        return Prompt(tokenizer.encode(text, add_special_tokens=True), text, _row_answer(row), None, columns)
     if ds.type == "alpaca":
         instruction = _required(row, ds.field_instruction, "field_instruction")
         extra = row.data.get(ds.field_input)
@@ -71,7 +74,14 @@ def prompt_from_row(
     if renderer is None:
         raise DataError(f"{row.file}: {ds.type} prompts need a chat template")
     tokens = renderer.build_generation_prompt(messages).to_ints()
-    return Prompt(tokens, tokenizer.decode(tokens), answer if isinstance(answer, str) else None)
+    columns = _other_columns(row, (ds.field_messages, ds.field_instruction, ds.field_input))
+    return Prompt(
+        tokens, tokenizer.decode(tokens), answer if isinstance(answer, str) else None, messages, columns
+    )
+
+
+def _other_columns(row: Row, prompt_fields: tuple[str, ...]) -> dict:
+    return {key: value for key, value in row.data.items() if key not in prompt_fields}
 
 
 def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPrompts:

@@ -86,6 +86,9 @@ def _completions(
                 text=decode(s.tokens, skip_special_tokens=True),
                 answer=prompt.answer,
                 num_tokens=len(s.tokens),
+                prompt_messages=None if prompt.messages is None else tuple(prompt.messages),
+                token_ids=tuple(s.tokens),
+                columns=prompt.columns or {},
             )
             for s in group
         ]

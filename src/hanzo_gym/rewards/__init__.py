@@ -3,7 +3,8 @@
 - `exact_match`, `numeric_match`, `format:<regex>`, `length:<n>`: the original's semantics (text.py);
 - `math_equal`: mathematical equivalence of final answers (math_equal.py);
 - `http:<url>`, or a bare `http://…` / `https://…` URL: a reward server (remote.py);
-- `python:module:function`: user code (user_code.py).
+- `python:module:function`: user code (user_code.py);
+- `module.function`: user code with TRL's reward-function signature, as Axolotl's configs name it (user_code.py).
 
 score_completions combines them as TRL does: total = Σ weight_f · score_f (weights default to 1.0), with the
 raw per-function scores returned by name for the `rewards/<name>/mean` metrics.
@@ -11,6 +12,7 @@ raw per-function scores returned by name for the `rewards/<name>/mean` metrics.
 
 from __future__ import annotations
 
+import re
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -19,7 +21,7 @@ from hanzo_gym.rewards.base import Completion, RewardFunction
 from hanzo_gym.rewards.math_equal import MathEqual
 from hanzo_gym.rewards.remote import HttpReward
 from hanzo_gym.rewards.text import ExactMatch, FormatMatch, LengthPenalty, NumericMatch
-from hanzo_gym.rewards.user_code import PythonReward
+from hanzo_gym.rewards.user_code import PythonReward, TrlReward
 
 __all__ = ["Completion", "RewardFunction", "RewardFunctionFailed", "parse_reward", "score_completions"]
 
@@ -45,6 +47,7 @@ def _scores_of(func: RewardFunction, completions: list[Completion]) -> list[floa
         raise RewardFunctionFailed(func, error) from error
 
 
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 _PLAIN = {"exact_match": ExactMatch, "numeric_match": NumericMatch, "math_equal": MathEqual}
 
 
@@ -63,9 +66,11 @@ def parse_reward(spec: str) -> RewardFunction:
         return LengthPenalty(spec, rest)
     if sep and kind == "python":
         return PythonReward(spec, rest)
+    if not sep and _DOTTED.fullmatch(spec):
+        return TrlReward(spec)
     raise ConfigError(
         f'unknown reward function "{spec}"; use exact_match, numeric_match, math_equal, format:<regex>, '
-        "length:<n>, http:<url> or python:<module>:<function>"
+        "length:<n>, http:<url>, python:<module>:<function> or <module>.<function> (TRL's signature)"
     )
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from hanzo_gym.errors import GymError
@@ -18,6 +18,10 @@ class Completion:
     text: str  # the decoded completion (special tokens skipped)
     answer: str | None  # the dataset's reference answer
     num_tokens: int  # completion tokens, including a generated eos
+    # the prompt as chat messages when it came from a conversation (TRL then passes conversational data)
+    prompt_messages: tuple[dict, ...] | None = None
+    token_ids: tuple[int, ...] = ()  # the completion's tokens
+    columns: Mapping[str, object] = field(default_factory=dict)  # the dataset row's other fields
 
 
 class RewardFunction(ABC):

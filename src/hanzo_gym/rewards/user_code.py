@@ -1,8 +1,16 @@
-"""`python:module:function`: a reward written by the user.
+"""Rewards written by the user, in two forms:
 
-Contract: `function(completions: list[Completion]) -> list[float]`, called once per batch with every
-completion of the step (so it can batch its own work), returning one finite number per completion in the
-same order. `module` is imported like any Python module (dotted names allowed); when it is not importable
+- `python:module:function`: `function(completions: list[Completion]) -> list[float]`, called once per batch
+  with every completion of the step (so it can batch its own work), returning one finite number per
+  completion in the same order;
+- `module.function` (TRL's and Axolotl's form, e.g. `rewards.accuracy_reward`): called with TRL's keywords,
+  `prompts`, `completions`, `completion_ids`, and each other field of the dataset rows by its name (a list,
+  one value per completion, None where a row lacks it), as TRL passes the dataset's columns. Prompts that came
+  from a conversation are passed as TRL passes conversational data: each prompt its message list, each
+  completion `[{"role": "assistant", "content": text}]`; otherwise both are strings. TRL lets a function
+  return None for a completion it does not score; here every score must be a finite number.
+
+ `module` is imported like any Python module (dotted names allowed); when it is not importable
 from sys.path, the current directory is tried too, as TRL and Axolotl import reward modules relative to it.
 The function may do I/O: it runs on a thread beside the other rewards.
 """
@@ -40,8 +48,8 @@ def _import(spec: str, module_name: str):
 class PythonReward(RewardFunction):
     does_io = True
 
-    def __init__(self, spec: str, target: str):
-        module_name, _, function_name = target.rpartition(":")
+    def __init__(self, spec: str, target: str, separator: str = ":"):
+        module_name, _, function_name = target.rpartition(separator)
         if not module_name or not function_name:
             raise ConfigError(f'reward function "{spec}": expected python:<module>:<function>')
         self.name = spec
@@ -61,3 +69,30 @@ class PythonReward(RewardFunction):
 
     def __call__(self, completions: list[Completion]) -> list[float]:
         return checked_scores(self.name, self._function(completions), len(completions))
+
+
+_TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+class TrlReward(PythonReward):
+    """`module.function` with TRL's reward-function signature."""
+
+    def __init__(self, spec: str):
+        super().__init__(spec, spec, separator=".")
+
+    def __call__(self, completions: list[Completion]) -> list[float]:
+        conversational = all(c.prompt_messages is not None for c in completions)
+        if conversational:
+            prompts = [list(c.prompt_messages) for c in completions]
+            texts = [[{"role": "assistant", "content": c.text}] for c in completions]
+        else:
+            prompts, texts = [c.prompt for c in completions], [c.text for c in completions]
+        names = dict.fromkeys(name for c in completions for name in c.columns if name not in _TRL_ARGUMENTS)
+        columns = {name: [c.columns.get(name) for c in completions] for name in names}
+        scores = self._function(
+            **columns,
+            prompts=prompts,
+            completions=texts,
+            completion_ids=[list(c.token_ids) for c in completions],
+        )
+        return checked_scores(self.name, scores, len(completions))
