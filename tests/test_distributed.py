@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from config_files import write_tiny_run
 from conftest import save_tiny_word_model
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -322,28 +323,9 @@ def test_grpo_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_
 
 
 def _sft_config(tmp_path, word_base, chat_dir, name: str, grad_accum: int, **extra) -> tuple[Path, Path]:
-    out = tmp_path / name
-    cfg = {
-        "base_model": str(word_base),
-        "datasets": [{"path": str(chat_dir / "first.jsonl"), "type": "chat_template"}],
-        "output_dir": str(out),
-        "sequence_len": 64,
-        "adapter": "lora",
-        "lora_r": 4,
-        "lora_alpha": 8,
-        "lora_dropout": 0.0,
-        "lora_target_linear": True,
-        "micro_batch_size": 2,
-        "gradient_accumulation_steps": grad_accum,
-        "num_epochs": 2,
-        "learning_rate": 0.01,
-        "logging_steps": 1,
-        "save_steps": 2,
-        **extra,
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path, out
+    settings = {"micro_batch_size": 2, "gradient_accumulation_steps": grad_accum, "num_epochs": 2}
+    settings.update(learning_rate=0.01, save_steps=2, bf16="auto", seed=42, **extra)
+    return write_tiny_run(tmp_path, word_base, chat_dir / "first.jsonl", name, **settings), tmp_path / name
 
 
 @pytest.mark.slow
