@@ -30,12 +30,18 @@ def test_constant_ignores_warmup_as_hf_does():
         ("constant", {}, 0.0),
         ("constant_with_warmup", {}, 0.0),
         ("cosine_with_min_lr", {"min_lr_rate": 0.1}, 0.1),
+        ("polynomial", {}, 0.0),
+        ("inverse_sqrt", {}, 0.0),
     ],
 )
 @pytest.mark.parametrize(("total", "warmup"), [(20, 0), (20, 3), (7, 7), (1, 0)])
 def test_schedule_matches_transformers_at_every_step(kind, hf_kwargs, min_lr_ratio, total, warmup):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    if kind == "polynomial" and total == warmup:
+        pytest.skip(
+            "HF's polynomial schedule divides by zero when warmup is the whole run (ours ends at 1e-7)"
+        )
     peak = 3e-4
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
     scheduler = transformers.get_scheduler(

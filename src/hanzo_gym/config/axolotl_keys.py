@@ -209,8 +209,6 @@ OTHER_OPTIMIZERS = (
 )
 OTHER_SCHEDULERS = (
     "cosine_with_restarts",
-    "polynomial",
-    "inverse_sqrt",
     "reduce_lr_on_plateau",
     "cosine_warmup_with_min_lr",
     "warmup_stable_decay",

@@ -199,9 +199,15 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     num_epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     learning_rate: float = Field(2e-4, ge=0)
-    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"] = (
-        "cosine"
-    )
+    lr_scheduler: Literal[
+        "cosine",
+        "linear",
+        "constant",
+        "constant_with_warmup",
+        "cosine_with_min_lr",
+        "polynomial",
+        "inverse_sqrt",
+    ] = "cosine"
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)
     optimizer: Literal[
         "adamw_torch",
@@ -319,6 +325,11 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
             raise ValueError(
                 f"lora_target_modules {untrainable}: LoRA on the embedding or output layer is not supported "
                 "(vLLM refuses such adapters); adapt the attention and MLP projections"
+            )
+        if self.lr_scheduler == "polynomial" and self.learning_rate <= 1e-7:
+            raise ValueError(
+                f"lr_scheduler: polynomial decays to HF's end rate 1e-7, which learning_rate {self.learning_rate} "
+                "does not exceed; raise learning_rate or use another schedule"
             )
         if self.lr_scheduler == "cosine_with_min_lr" and self.cosine_min_lr_ratio is None:
             raise ValueError(
@@ -539,7 +550,7 @@ def _value_refusal(key: str, value: Any) -> str | None:
     if key == "lr_scheduler" and value in OTHER_SCHEDULERS:
         return (
             f"Axolotl's `lr_scheduler: {value}` is not supported yet; use cosine, cosine_with_min_lr (with "
-            "cosine_min_lr_ratio), linear, constant or constant_with_warmup"
+            "cosine_min_lr_ratio), linear, constant, constant_with_warmup, polynomial or inverse_sqrt"
         )
     return None
 

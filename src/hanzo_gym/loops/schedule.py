@@ -3,6 +3,8 @@
 `lr_at(step, …)` is the rate optimizer step `step` (0-based) uses, which is what HF's `LambdaLR` gives that
 step: warmup rises linearly from 0 (step 0 trains at lr 0, the last warmup step just below the peak), then
 the decay runs over the remaining steps. `constant` has no warmup in HF; `constant_with_warmup` has.
+`polynomial` decays linearly (HF's power 1.0) to HF's absolute end rate 1e-7; `inverse_sqrt` decays as
+1 / sqrt(step / timescale) after warmup, with HF's timescale (the warmup steps, or 10,000 without warmup).
 """
 
 from __future__ import annotations
@@ -12,8 +14,15 @@ import math
 from hanzo_gym.config import Config
 from hanzo_gym.records import AdamParams
 
+# HF's defaults for the schedules Axolotl names without arguments (get_scheduler without scheduler kwargs).
+POLYNOMIAL_END_LR = 1e-7
+POLYNOMIAL_POWER = 1.0
+INVERSE_SQRT_TIMESCALE = 10_000
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float = 0.0) -> float:
+
+def lr_factor(
+    step: int, total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float = 0.0, peak: float = 1.0
+) -> float:
     """The multiplier of the peak learning rate at 0-based optimizer step `step` of `total_steps`."""
     if kind == "constant":
         return 1.0
@@ -23,6 +32,15 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str, min_lr_
         return 1.0
     if kind == "linear":
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    if kind == "inverse_sqrt":
+        timescale = warmup_steps or INVERSE_SQRT_TIMESCALE
+        return 1.0 / math.sqrt((step + timescale - warmup_steps) / timescale)
+    if kind == "polynomial":
+        end = POLYNOMIAL_END_LR / peak
+        if step >= total_steps:  # HF: past the end (and at it: nothing of the decay remains) the end rate
+            return end
+        remaining = 1 - (step - warmup_steps) / (total_steps - warmup_steps)
+        return (1 - end) * remaining**POLYNOMIAL_POWER + end
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     if kind in ("cosine", "cosine_with_min_lr"):
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -34,7 +52,7 @@ def lr_at(
     step: int, total_steps: int, peak: float, warmup_steps: int, kind: str, min_lr_ratio: float = 0.0
 ) -> float:
     """The learning rate for 0-based optimizer step `step` of `total_steps`."""
-    return peak * lr_factor(step, total_steps, warmup_steps, kind, min_lr_ratio)
+    return peak * lr_factor(step, total_steps, warmup_steps, kind, min_lr_ratio, peak)
 
 
 def adam_params(cfg: Config, step: int, total_steps: int) -> AdamParams:
