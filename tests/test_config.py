@@ -381,3 +381,22 @@ def test_gradient_checkpointing_kwargs_take_the_non_reentrant_kind(tmp_path):
     assert cfg.gradient_checkpointing_kwargs.use_reentrant is False
     message = _error(tmp_path, BASE + "gradient_checkpointing_kwargs:\n  use_reentrant: true\n")
     assert "run.yaml:9" in message and "reentrant checkpointing is not supported" in message
+
+
+@pytest.mark.parametrize(
+    ("keys", "total", "expected"),
+    [
+        ("", 10, 0),  # Axolotl's default, 3 % of the run rounded down
+        ("", 50, 2),  # 3 % of 50 is 1, which Axolotl makes 2
+        ("", 1000, 30),
+        ("", 10_000, 100),  # the default's cap
+        ("warmup_ratio: 0.1\n", 15, 2),  # 1.5 rounded down is 1, made 2
+        ("warmup_ratio: 0.1\n", 29, 2),  # rounded down, not to the nearest
+        ("warmup_ratio: 0.0\n", 1000, 0),
+        ("warmup_steps: 1\n", 100, 2),
+        ("warmup_steps: 0\n", 1000, 0),
+        ("warmup_steps: 7\nwarmup_ratio: 0.5\n", 100, 7),  # steps win
+    ],
+)
+def test_warmup_steps_are_axolotls(tmp_path, keys, total, expected):
+    assert load_text(tmp_path, BASE + keys).warmup(total) == expected

@@ -28,6 +28,9 @@ from hanzo_gym.config.vllm_keys import VllmSection, VllmTrlKeys, check_vllm_keys
 from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
 
+# Axolotl's warmup when the config gives none: 3 % of the run, at most 100 steps.
+DEFAULT_WARMUP_RATIO = 0.03
+MAX_DEFAULT_WARMUP = 100
 # torch, numpy and Python's `random` all take seeds up to 2**32 - 1 (numpy's legacy seeding allows no more).
 MAX_SEED = 2**32 - 1
 SFT_TYPES = ("chat_template", "alpaca", "completion")
@@ -380,11 +383,16 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
         return self.special_tokens.model_dump(exclude_none=True) if self.special_tokens else {}
 
     def warmup(self, total_steps: int) -> int:
+        """Warmup steps as Axolotl hands them to HF: `warmup_steps`, else `warmup_ratio` of the run rounded
+        down, else Axolotl's default of 3 % of the run (rounded down, at most 100); a warmup of 1 becomes 2, as
+        Axolotl sets it."""
         if self.warmup_steps is not None:
-            return self.warmup_steps
-        if self.warmup_ratio is not None:
-            return round(total_steps * self.warmup_ratio)
-        return 0
+            steps = self.warmup_steps
+        elif self.warmup_ratio is not None:
+            steps = int(self.warmup_ratio * total_steps)
+        else:
+            steps = min(int(DEFAULT_WARMUP_RATIO * total_steps), MAX_DEFAULT_WARMUP)
+        return 2 if steps == 1 else steps
 
 
 def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
