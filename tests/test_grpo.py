@@ -187,3 +187,86 @@ def test_axolotls_reward_module_by_dotted_path_trains_on_chat_prompts(tmp_path, 
         want = row["rewards/rewards.accuracy_reward/mean"] + 0.5 * row["rewards/rewards.format_reward/mean"]
         assert row["reward"] == pytest.approx(want, abs=1e-6)
     monkeypatch.delitem(sys.modules, "rewards", raising=False)
+
+
+DOCS_REWARDS = """
+import re
+
+
+def accuracy_reward(completions, answer, **kwargs) -> list[float]:
+    rewards = []
+    for completion, correct in zip(completions, answer):
+        numbers = re.findall(r"-?\\d+(?:\\.\\d+)?", completion[0]["content"])
+        rewards.append(1.0 if (numbers[-1] if numbers else "") == str(correct) else 0.0)
+    return rewards
+
+
+def format_reward(completions, **kwargs) -> list[float]:
+    return [float("<answer>" in c[0]["content"]) for c in completions]
+
+
+def prompt_transform(cfg, *args, **kwargs):
+    def transform_fn(example, tokenizer=None):
+        label = example["answer"].split("####")[-1].strip().replace(",", "")
+        return {
+            "prompt": [
+                {"role": "system", "content": "Solve the math problem."},
+                {"role": "user", "content": example["question"]},
+            ],
+            "answer": label,
+        }
+    return transform_fn, {"remove_columns": ["question"]}
+"""
+
+
+def test_axolotls_grpo_quick_start_transform_and_rewards_train(tmp_path, tiny_word_base, monkeypatch):
+    """The reward module of Axolotl's GRPO quick start (its transform as written there, its rewards in the
+    same shape): `type: rewards.prompt_transform` turns GSM8K rows into chat prompts with an `answer` label."""
+    from hanzo_gym.config import load_config
+    from hanzo_gym.data.prompts import load_prompts
+    from hanzo_gym.model.hub import load_tokenizer
+
+    (tmp_path / "rewards.py").write_text(DOCS_REWARDS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "rewards", raising=False)
+    data = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": f"one two {n}", "answer": f"Sum it.\n#### {n},000"} for n in range(6)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = _config(
+        tmp_path,
+        tiny_word_base,
+        data,
+        datasets=[{"path": str(data), "type": "rewards.prompt_transform"}],
+        max_steps=2,
+        trl={
+            "reward_funcs": ["rewards.accuracy_reward", "rewards.format_reward"],
+            "reward_weights": [1.0, 0.5],
+        },
+    )
+    cfg = load_config(config)
+    prompts = load_prompts(cfg, load_tokenizer(cfg.base_model)).train
+    first = next(p for p in prompts if p.messages[1]["content"] == "one two 3")
+    assert first.messages == [
+        {"role": "system", "content": "Solve the math problem."},
+        {"role": "user", "content": "one two 3"},
+    ]
+    assert first.answer == "3000" and first.columns == {"answer": "3000"}  # `question` removed, as asked
+    assert first.text.startswith("<|im_start|> system")  # rendered with the run's chat template
+    assert main(["train", str(config)]) == 0
+    assert {"rewards/rewards.accuracy_reward/mean", "rewards/rewards.format_reward/mean"} <= set(
+        _rows(tmp_path / "run")[-1]
+    )
+    monkeypatch.delitem(sys.modules, "rewards", raising=False)
+
+
+def test_a_user_transform_is_read_for_grpo_prompts_only(tmp_path, tiny_word_base, counting_prompts):
+    from config_files import error_of
+
+    text = (
+        f"base_model: {tiny_word_base}\ndatasets:\n  - path: {counting_prompts}\n    type: rewards.prompt_transform\n"
+        "adapter: lora\nlora_target_linear: true\noutput_dir: out\n"
+    )
+    assert "names a transform of your own (module.function)" in error_of(tmp_path, text)
+    assert "did you mean `chatml.intel`" in error_of(
+        tmp_path, text.replace("rewards.prompt_transform", "chatml.intell")
+    )

@@ -33,6 +33,14 @@ DEFAULT_WARMUP_RATIO = 0.03
 MAX_DEFAULT_WARMUP = 100
 # torch, numpy and Python's `random` all take seeds up to 2**32 - 1 (numpy's legacy seeding allows no more).
 MAX_SEED = 2**32 - 1
+_DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def is_user_transform(dataset_type: str) -> bool:
+    """Axolotl's `type: module.function` (e.g. `rewards.prompt_transform`)."""
+    return dataset_type not in DATASET_TYPES and _DOTTED_NAME.fullmatch(dataset_type) is not None
+
+
 SFT_TYPES = ("chat_template", "alpaca", "completion")
 DATASET_TYPES = tuple(dict.fromkeys((*SFT_TYPES, *PAIR_TYPES, *KTO_TYPES)))
 
@@ -81,6 +89,10 @@ class DatasetConfig(_Strict):
     def _known_type(cls, value: str) -> str:
         if value not in DATASET_TYPES:
             close = close_misspelling(value, list(DATASET_TYPES))
+            if close is None and is_user_transform(value):
+                return (
+                    value  # Axolotl's `module.function`: a transform of the user's (data/user_transforms.py)
+                )
             hint = f"did you mean `{close}`? " if close else ""
             raise ValueError(
                 f"unknown dataset type; {hint}SFT and GRPO read chat_template, alpaca or completion; preference "
@@ -356,6 +368,12 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
         if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:
             raise ValueError(
                 "loss_watchdog_patience needs `loss_watchdog_threshold` (the loss that counts as too high)"
+            )
+        transformed = [ds.type for ds in self.datasets if ds.type not in DATASET_TYPES]
+        if transformed and self.rl != "grpo":
+            raise ValueError(
+                f"datasets type `{transformed[0]}` names a transform of your own (module.function), which "
+                "hanzo-gym reads for rl: grpo prompts only so far; use a built-in type"
             )
         if self.rl == "grpo" and self.loss_watchdog_threshold is not None:
             raise ValueError(

@@ -3,7 +3,8 @@
 
 Each entry is `<dataset_prepared_path>/<key>/`, where the key is a hash of everything the tokenized result
 depends on: the content of every data file read, the tokenizer (its vocabulary, merges, normalization,
-special tokens and chat template), the config keys the loaders read, and the hanzo-gym version. A changed
+special tokens and chat template), the config keys the loaders read, the source file of a user transform
+(`type: module.function`), and the hanzo-gym version. A changed
 data file, tokenizer or key therefore prepares a new entry; nothing stale is ever read. (Axolotl hashes the
 config alone, so an edited data file under the same path is not noticed.) `inputs.json` beside the data
 says what the key was computed from. Entries are JSON (no pickled objects: a folder from elsewhere cannot
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from hanzo_gym import __version__
+from hanzo_gym.config.schema import is_user_transform
 from hanzo_gym.data.dataset import DatasetStats, LoadedData
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.preference import KtoExample, LoadedPreferences, PreferencePair
@@ -27,6 +29,7 @@ from hanzo_gym.data.prompts import LoadedPrompts, Prompt
 from hanzo_gym.data.sources import data_file_paths
 from hanzo_gym.errors import DataError
 from hanzo_gym.files import publish_directory
+from hanzo_gym.rewards.user_code import import_user_module
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -92,13 +95,24 @@ def prepared_inputs(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str
         for ds in cfg.datasets
         for path in data_file_paths(ds.path, ds.split, ds.data_files)
     }
+    transforms = {
+        ds.type: _file_sha256(Path(_transform_file(ds.type, index)))
+        for index, ds in enumerate(cfg.datasets)
+        if is_user_transform(ds.type)
+    }
     return {
         "format": FORMAT,
         "hanzo_gym": __version__,
         "config": settings,
         "data_files": files,
         "tokenizer": tokenizer_fingerprint(tokenizer),
+        **({"transforms": transforms} if transforms else {}),  # the source of each user transform's module
     }
+
+
+def _transform_file(dataset_type: str, index: int) -> str:
+    module = import_user_module(f"datasets[{index}].type `{dataset_type}`", dataset_type.rpartition(".")[0])
+    return module.__file__
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hanzo_gym.config import Config, DatasetConfig
+from hanzo_gym.config.schema import is_user_transform
 from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.dataset import validation_count
 from hanzo_gym.data.sources import Row, read_rows
-from hanzo_gym.data.strategies import chat_messages
+from hanzo_gym.data.strategies import canonical_role, chat_messages
+from hanzo_gym.data.user_transforms import load_user_transform
 from hanzo_gym.errors import DataError
 from hanzo_gym.renderers import Renderer
 
@@ -54,7 +56,10 @@ def prompt_from_row(
 ) -> Prompt:
     """chat_template: the turns before the last assistant turn, opened for a new assistant turn, with that
     turn's content as the answer (no assistant turn: all turns, answer from the row's `answer`/`solution`);
-    alpaca: the instruction (and input) as one user turn, answer = output; completion: the text itself."""
+    alpaca: the instruction (and input) as one user turn, answer = output; completion: the text itself; a
+    transform of the user's: TRL's `prompt` field, a message list or a string (data/user_transforms.py)."""
+    if is_user_transform(ds.type):
+        return _trl_prompt(row, ds, tokenizer, renderer)
     if ds.type == "completion":
         text = _required(row, ds.field, "field")
         columns = _other_columns(row, (ds.field,))
@@ -80,6 +85,30 @@ def prompt_from_row(
     )
 
 
+def _trl_prompt(
+    row: Row, ds: DatasetConfig, tokenizer: PreTrainedTokenizerBase, renderer: Renderer | None
+) -> Prompt:
+    prompt = row.data.get("prompt")
+    columns = _other_columns(row, ("prompt",))
+    if isinstance(prompt, str):
+        return Prompt(
+            tokenizer.encode(prompt, add_special_tokens=True), prompt, _row_answer(row), None, columns
+        )
+    if not isinstance(prompt, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in prompt
+    ):
+        raise DataError(
+            f"{row.file} row {row.line}: {ds.type} gave no `prompt` as a string or a list of "
+            "{role, content} messages (TRL's prompt format)"
+        )
+    if renderer is None:
+        raise DataError(f"{row.file}: chat prompts need a chat template")
+    messages = [{**m, "role": canonical_role(m["role"])} for m in prompt]
+    tokens = renderer.build_generation_prompt(messages).to_ints()
+    return Prompt(tokens, tokenizer.decode(tokens), _row_answer(row), messages, columns)
+
+
 def _other_columns(row: Row, prompt_fields: tuple[str, ...]) -> dict:
     return {key: value for key, value in row.data.items() if key not in prompt_fields}
 
@@ -89,8 +118,11 @@ def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPromp
     renderer = resolve_renderer(cfg.chat_template, tokenizer) if needs_template else None
     prompts: list[Prompt] = []
     dropped = 0
-    for ds in cfg.datasets:
-        for row in read_rows(ds.path, split=ds.split, data_files=ds.data_files):
+    for index, ds in enumerate(cfg.datasets):
+        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files)
+        if is_user_transform(ds.type):
+            rows = list(map(load_user_transform(cfg, index, tokenizer), rows))
+        for row in rows:
             prompt = prompt_from_row(row, ds, tokenizer, renderer)
             if len(prompt.tokens) > cfg.sequence_len:
                 dropped += 1  # a cut prompt would ask a different question: drop it

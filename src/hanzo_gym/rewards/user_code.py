@@ -26,23 +26,27 @@ from hanzo_gym.errors import ConfigError
 from hanzo_gym.rewards.base import Completion, RewardFunction, checked_scores
 
 
-def _import(spec: str, module_name: str):
+def import_user_module(what: str, module_name: str):
+    """Import the user's module `module_name` from sys.path, else from the current directory (as TRL and
+    Axolotl import reward and transform modules); ConfigError naming `what` (the config entry) otherwise."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         missing_here = e.name is not None and module_name.split(".")[0] == e.name.split(".")[0]
         if not missing_here or os.getcwd() in sys.path:
-            raise ConfigError(
-                f'reward function "{spec}": cannot import module {module_name!r}: {e}'
-            ) from None
+            raise ConfigError(f"{what}: cannot import module {module_name!r}: {e}") from None
+    except Exception as e:  # the module itself raised while importing: show what, not a traceback
+        raise ConfigError(f"{what}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
     sys.path.append(os.getcwd())  # stays, so the module's own imports of its neighbours work at call time
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         raise ConfigError(
-            f'reward function "{spec}": cannot import module {module_name!r} from sys.path or the current '
-            f"directory ({os.getcwd()}): {e}"
+            f"{what}: cannot import module {module_name!r} from sys.path or the current directory "
+            f"({os.getcwd()}): {e}"
         ) from None
+    except Exception as e:
+        raise ConfigError(f"{what}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
 
 
 class PythonReward(RewardFunction):
@@ -53,14 +57,7 @@ class PythonReward(RewardFunction):
         if not module_name or not function_name:
             raise ConfigError(f'reward function "{spec}": expected python:<module>:<function>')
         self.name = spec
-        try:
-            module = _import(spec, module_name)
-        except ConfigError:
-            raise
-        except Exception as e:  # the module itself raised while importing: show what, not a traceback
-            raise ConfigError(
-                f'reward function "{spec}": importing {module_name!r} raised {type(e).__name__}: {e}'
-            ) from e
+        module = import_user_module(f'reward function "{spec}"', module_name)
         function = getattr(module, function_name, None)
         if not callable(function):
             found = "not defined" if function is None else f"a {type(function).__name__}, not callable"
