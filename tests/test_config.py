@@ -290,7 +290,7 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
             "plugin `axolotl.integrations.diffusion.DiffusionPlugin` (diffusion",
         ),
         ("tokens: [<new>]\n", "`tokens` (adding tokens to the vocabulary)"),
-        ("    name: main\n", "`datasets[0].name` (the Hugging Face dataset config name)"),
+        ("    shards: 4\n", "`datasets[0].shards` (training on a shard of the dataset)"),
         (
             "trl:\n  vllm_enable_sleep_mode: true\n",
             "`trl.vllm_enable_sleep_mode` (freeing a colocated vLLM's",

@@ -160,6 +160,7 @@ def test_axolotls_reward_module_by_dotted_path_trains_on_chat_prompts(tmp_path, 
         "    return [float('four' in c[0]['content']) for c in completions]\n"
     )
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory the import adds goes again after
     monkeypatch.delitem(sys.modules, "rewards", raising=False)
     data = tmp_path / "chats.jsonl"
     rows = [
@@ -228,6 +229,7 @@ def test_axolotls_grpo_quick_start_transform_and_rewards_train(tmp_path, tiny_wo
 
     (tmp_path / "rewards.py").write_text(DOCS_REWARDS)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory the import adds goes again after
     monkeypatch.delitem(sys.modules, "rewards", raising=False)
     data = tmp_path / "gsm8k.jsonl"
     rows = [{"question": f"one two {n}", "answer": f"Sum it.\n#### {n},000"} for n in range(6)]

@@ -311,3 +311,54 @@ def test_cached_hub_dataset_missing_a_listed_shard(hub_cache, offline, monkeypat
     monkeypatch.setattr(sources, "get_cached_repo_tree", lambda *args, **kwargs: tree)
     with pytest.raises(DataError, match=r"is incomplete: data/train-00001-of-00002\.jsonl not downloaded"):
         read_rows(REPO_ID)
+
+
+CARD = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train-*
+---
+# a dataset card
+"""
+
+
+def test_name_picks_a_configuration_of_a_dataset_folder_by_its_card(tmp_path):
+    for folder, split, count in (("main", "train", 3), ("main", "test", 2), ("socratic", "train", 4)):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        write_jsonl(tmp_path / folder / f"{split}-00000-of-00001.jsonl", numbered(count, f"{folder}-{split}"))
+    (tmp_path / "README.md").write_text(CARD)
+    rows = read_rows(str(tmp_path), name="main")
+    assert ids(rows) == [f"main-train{i}" for i in range(3)]
+    assert len(read_rows(str(tmp_path), split="test", name="main")) == 2
+    assert len(read_rows(str(tmp_path), name="socratic")) == 4
+    with pytest.raises(DataError, match="has no configuration `other`; its configurations: main, socratic"):
+        read_rows(str(tmp_path), name="other")
+    with pytest.raises(DataError, match="configuration `socratic`, has no split `test`; its splits: train"):
+        read_rows(str(tmp_path), split="test", name="socratic")
+    with pytest.raises(DataError, match="give `name` .* or `data_files`, not both"):
+        read_rows(str(tmp_path), name="main", data_files=["main/train-00000-of-00001.jsonl"])
+    with pytest.raises(DataError, match="is a single file"):
+        read_rows(str(tmp_path / "main" / "test-00000-of-00001.jsonl"), name="main")
+
+
+def test_name_picks_a_configuration_of_a_cached_hub_dataset(hub_cache, offline):
+    snapshot = cache_snapshot(
+        hub_cache,
+        {
+            "main/train-00000-of-00001.jsonl": numbered(3, "m"),
+            "socratic/train-00000-of-00001.jsonl": numbered(1, "s"),
+        },
+    )
+    (snapshot / "README.md").write_text(CARD)
+    assert ids(read_rows(REPO_ID, name="main")) == ["m0", "m1", "m2"]
+    assert [r.file for r in read_rows(REPO_ID, name="socratic")] == [
+        f"{REPO_ID}/socratic/train-00000-of-00001.jsonl"
+    ]

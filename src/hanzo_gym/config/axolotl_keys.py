@@ -48,7 +48,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "lr_quadratic_warmup": ("quadratic warmup", "remove it; warmup is linear"),
     "optim_args": ("extra arguments to the optimizer", "remove it"),
     "optim_target_modules": ("the modules an optimizer such as GaLore targets", "remove it"),
-    "datasets[].name": ("the Hugging Face dataset config name", "point `path` at the files of that config"),
     "datasets[].ds_type": (
         "the file format of the dataset files",
         "remove it; the format is read from `path`",

@@ -70,6 +70,9 @@ class DatasetConfig(_Strict):
     type: str
     split: str | None = None
     data_files: list[str] | None = None
+    name: str | None = (
+        None  # a configuration of the dataset (its card's `configs`), as load_dataset(path, name)
+    )
     field_messages: str = "messages"
     drop_system_message: bool = False  # leave out a conversation's leading system turn
     message_property_mappings: MessagePropertyMappings | None = None

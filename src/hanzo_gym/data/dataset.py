@@ -58,7 +58,7 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
     examples: list[Example] = []
     stats: list[DatasetStats] = []
     for ds in cfg.datasets:
-        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files)
+        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
         kept, ds_stats = examples_from_rows(rows, ds, ctx, cfg.sequence_len, cfg.excess_length_strategy)
         examples.extend(kept)
         stats.append(ds_stats)

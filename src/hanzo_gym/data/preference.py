@@ -360,7 +360,7 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
     pairs: list[PreferencePair] = []
     stats: list[DatasetStats] = []
     for ds in cfg.datasets:
-        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files)
+        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
         kept, ds_stats = items_from_rows(rows, ds, ctx, cfg.sequence_len, strategy, kto=cfg.rl == "kto")
         pairs.extend(kept)
         stats.append(ds_stats)

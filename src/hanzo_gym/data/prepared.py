@@ -93,7 +93,7 @@ def prepared_inputs(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str
     files = {
         str(path): _file_sha256(path)
         for ds in cfg.datasets
-        for path in data_file_paths(ds.path, ds.split, ds.data_files)
+        for path in data_file_paths(ds.path, ds.split, ds.data_files, ds.name)
     }
     transforms = {
         ds.type: _file_sha256(Path(_transform_file(ds.type, index)))

@@ -119,7 +119,7 @@ def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPromp
     prompts: list[Prompt] = []
     dropped = 0
     for index, ds in enumerate(cfg.datasets):
-        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files)
+        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
         if is_user_transform(ds.type):
             rows = list(map(load_user_transform(cfg, index, tokenizer), rows))
         for row in rows:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import contextvars
+import fnmatch
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx2
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 from huggingface_hub import (
     constants,
     get_cached_repo_tree,
@@ -118,23 +120,109 @@ def _resolve_bound(bound: float | None, n: int, default: int) -> int:
     return max(0, min(bound, n))
 
 
-def read_rows(path: str, split: str | None = None, data_files: list[str] | None = None) -> list[Row]:
-    """Rows of `path` (a file, a directory or a hub dataset id) for `split` (default train), in file order."""
+def read_rows(
+    path: str, split: str | None = None, data_files: list[str] | None = None, name: str | None = None
+) -> list[Row]:
+    """Rows of `path` (a file, a directory or a hub dataset id) for `split` (default train), in file order;
+    `name` picks one of the dataset's configurations (its README's `configs`), as `load_dataset(path, name)`."""
     spec = Split.parse("train" if split is None else split)
+    if name is not None:
+        data_files = config_data_files(path, name, spec.name, data_files)
     files = _source_files(path, spec.name, data_files)
     rows = [row for label, local in files for row in _read_file(local, label)]
     lo, hi = spec.bounds(len(rows))
     return rows[lo:hi]
 
 
-def data_file_paths(path: str, split: str | None = None, data_files: list[str] | None = None) -> list[Path]:
+def data_file_paths(
+    path: str, split: str | None = None, data_files: list[str] | None = None, name: str | None = None
+) -> list[Path]:
     """The local files `read_rows` reads for this dataset, without printing the folder's file selection
     (`read_rows` prints it when it reads them)."""
     token = _QUIET.set(True)
     try:
-        return [local for _, local in _source_files(path, Split.parse(split or "train").name, data_files)]
+        split_name = Split.parse(split or "train").name
+        if name is not None:
+            data_files = config_data_files(path, name, split_name, data_files)
+        return [local for _, local in _source_files(path, split_name, data_files)]
     finally:
         _QUIET.reset(token)
+
+
+def config_data_files(path: str, name: str, split_name: str, data_files: list[str] | None) -> list[str]:
+    """The files of configuration `name` for `split_name`, from the `configs` block of the dataset's README
+    front matter (the Hugging Face Hub's dataset-card format): each `data_files` pattern, matched against
+    the dataset's files."""
+    where = f"dataset `{path}`"
+    if data_files:
+        raise DataError(f"{where}: give `name` (a configuration) or `data_files`, not both")
+    local = Path(path).expanduser()
+    if local.is_file():
+        raise DataError(
+            f"{where} is a single file; `name` picks a configuration of a dataset folder or hub repo"
+        )
+    if local.is_dir():
+        listing = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+        readme = (local / "README.md").read_text(encoding="utf-8") if (local / "README.md").is_file() else ""
+    else:
+        token = _QUIET.set(True)
+        try:
+            [(_, card)] = _hub_files(path, split_name, ["README.md"])  # the hub's errors, said once, here
+        finally:
+            _QUIET.reset(token)
+        readme, listing = card.read_text(encoding="utf-8"), _hub_listing(path)
+    configs = _card_configs(readme)
+    if name not in configs:
+        known = ", ".join(sorted(configs)) or "none (its README has no `configs` block)"
+        raise DataError(f"{where} has no configuration `{name}`; its configurations: {known}")
+    patterns = configs[name].get(split_name)
+    if patterns is None:
+        raise DataError(
+            f"{where}, configuration `{name}`, has no split `{split_name}`; its splits: {', '.join(configs[name])}"
+        )
+    chosen = [file for file in listing if any(fnmatch.fnmatch(file, pattern) for pattern in patterns)]
+    if not chosen:
+        raise DataError(f"{where}, configuration `{name}`, split `{split_name}`: no file matches {patterns}")
+    return chosen
+
+
+def _hub_listing(repo_id: str) -> list[str]:
+    """Every file of a hub dataset: from the hub, else from the cache (which `_hub_files` just used)."""
+    try:
+        return list_repo_files(repo_id, repo_type="dataset")
+    except HUB_UNAVAILABLE:
+        try:
+            return [entry.path for entry in get_cached_repo_tree(repo_id, repo_type="dataset")]
+        except CachedRepoTreeNotFoundError:
+            snapshot = Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
+            return [file.relative_to(snapshot).as_posix() for file in snapshot.rglob("*") if file.is_file()]
+
+
+def _card_configs(readme: str) -> dict[str, dict[str, list[str]]]:
+    """config name → split → file patterns, from a dataset card's YAML front matter."""
+    if not readme.startswith("---"):
+        return {}
+    front = readme.split("---", 2)[1] if readme.count("---") >= 2 else ""
+    try:
+        card = yaml.safe_load(front) or {}
+    except yaml.YAMLError:
+        return {}
+    configs = {}
+    for entry in card.get("configs") or []:
+        if not isinstance(entry, dict) or "config_name" not in entry:
+            continue
+        files = entry.get("data_files", [])
+        splits: dict[str, list[str]] = {}
+        for item in files if isinstance(files, list) else [files]:
+            if isinstance(item, dict):
+                paths = item.get("path", [])
+                splits.setdefault(str(item.get("split", "train")), []).extend(
+                    [paths] if isinstance(paths, str) else paths
+                )
+            elif isinstance(item, str):
+                splits.setdefault("train", []).append(item)
+        configs[str(entry["config_name"])] = splits
+    return configs
 
 
 def _source_files(path: str, split_name: str, data_files: list[str] | None) -> list[tuple[str, Path]]:
