@@ -150,6 +150,13 @@ def test_a_logged_row_is_the_mean_of_its_window(tmp_path, tiny_word_base, counti
     assert len({round(s["reward"], 6) for s in steps[:3]}) > 1  # the steps differ: a mean, not a pick
 
 
+# The reward keys of Axolotl's GRPO quick start (docs/grpo.qmd)
+QUICK_START_REWARDS = {
+    "reward_funcs": ["rewards.accuracy_reward", "rewards.format_reward"],
+    "reward_weights": [1.0, 0.5],
+}
+
+
 def test_axolotls_reward_module_by_dotted_path_trains_on_chat_prompts(tmp_path, tiny_word_base, monkeypatch):
     """Axolotl's GRPO quick start: `reward_funcs: [rewards.accuracy_reward, rewards.format_reward]` from a
     rewards.py in the working directory, with reward_weights, on chat prompts with an `answer` column."""
@@ -173,10 +180,7 @@ def test_axolotls_reward_module_by_dotted_path_trains_on_chat_prompts(tmp_path, 
         data,
         datasets=[{"path": str(data), "type": "chat_template"}],
         max_steps=2,
-        trl={
-            "reward_funcs": ["rewards.accuracy_reward", "rewards.format_reward"],
-            "reward_weights": [1.0, 0.5],
-        },
+        trl=QUICK_START_REWARDS,
     )
     assert main(["train", str(config)]) == 0
     rows = [row for row in _rows(tmp_path / "run") if "reward" in row]
@@ -240,10 +244,7 @@ def test_axolotls_grpo_quick_start_transform_and_rewards_train(tmp_path, tiny_wo
         data,
         datasets=[{"path": str(data), "type": "rewards.prompt_transform"}],
         max_steps=2,
-        trl={
-            "reward_funcs": ["rewards.accuracy_reward", "rewards.format_reward"],
-            "reward_weights": [1.0, 0.5],
-        },
+        trl=QUICK_START_REWARDS,
     )
     cfg = load_config(config)
     prompts = load_prompts(cfg, load_tokenizer(cfg.base_model)).train

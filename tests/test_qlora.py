@@ -5,6 +5,7 @@ the tiny model is 64 wide."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,28 +62,32 @@ def qlora_config(base, data, output_dir, **overrides) -> dict:
     }
 
 
-def test_qlora_trains_on_a_4bit_base_and_merges_into_the_full_precision_model(tmp_path, wide_base, chats):
-    run = tmp_path / "run"
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(qlora_config(wide_base, chats, run)))
+def _trains_and_merges(tmp_path, config: dict, base) -> tuple:
+    """Train `config` (8 steps), check the loss falls, merge the adapter into the full-precision base, and
+    check that the merged model is the base with the adapter; the run folder and the merged folder."""
+    run, path = Path(config["output_dir"]), tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
     assert main(["train", str(path)]) == 0
-    losses = [
-        row["loss"]
-        for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-        if "loss" in row
-    ]
+    metrics = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    losses = [row["loss"] for row in metrics if "loss" in row]
     assert len(losses) == 8 and losses[-1] < losses[0] * 0.7
-
     # The adapter is an ordinary PEFT adapter: it loads on the full-precision base.
-    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(wide_base), str(run))
-    assert json.loads((run / "adapter_config.json").read_text())["r"] == 8
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(run))
     merged_dir = tmp_path / "merged"
     assert main(["merge", str(path), "--out", str(merged_dir)]) == 0
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
-    assert "quantization_config" not in json.loads((merged_dir / "config.json").read_text())
     tokens = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
         torch.testing.assert_close(merged(tokens).logits, tuned(tokens).logits, rtol=1e-4, atol=1e-4)
+    return path, run, merged_dir
+
+
+def test_qlora_trains_on_a_4bit_base_and_merges_into_the_full_precision_model(tmp_path, wide_base, chats):
+    _, run, merged_dir = _trains_and_merges(
+        tmp_path, qlora_config(wide_base, chats, tmp_path / "run"), wide_base
+    )
+    assert json.loads((run / "adapter_config.json").read_text())["r"] == 8
+    assert "quantization_config" not in json.loads((merged_dir / "config.json").read_text())
 
 
 def test_a_4bit_model_samples_what_it_scores(tmp_path, wide_base, chats, word_tokenizer):
@@ -131,13 +136,20 @@ def test_qlora_gradients_equal_those_of_the_dequantized_model(tmp_path, wide_bas
             dequantized = bnb_functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
             reference_model.get_submodule(name).weight.data.copy_(dequantized)
     reference = Engine(attach_lora(reference_model, 4, cfg.lora_alpha, 0.0, "all-linear", str(wide_base)))
+    for mine, theirs in _gradients_beside(quantized, reference):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+
+
+def _gradients_beside(quantized, reference) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Give both engines the same random adapter, run one cross-entropy pass on each, check that the losses
+    agree (rel 1e-5) and return the (quantized, reference) gradient of every LoRA tensor."""
     with torch.no_grad():
-        mine = dict(reference.model.named_parameters())
+        theirs = dict(reference.model.named_parameters())
         for name, parameter in quantized.model.named_parameters():
             if "lora_" in name:
                 if "lora_B" in name:
                     parameter.normal_(0, 0.2)
-                mine[name].copy_(parameter)
+                theirs[name].copy_(parameter)
     data = [
         Datum(
             ModelInput.from_ints([1, 8, 9, 12, 13, 14]),
@@ -145,18 +157,13 @@ def test_qlora_gradients_equal_those_of_the_dequantized_model(tmp_path, wide_bas
         ),
         Datum(ModelInput.from_ints([20, 21, 22]), {"target_tokens": [21, 22, 2], "weights": [1.0] * 3}),
     ]
-    got, want = (
-        quantized.forward_backward(data, "cross_entropy"),
-        reference.forward_backward(data, "cross_entropy"),
-    )
+    got = quantized.forward_backward(data, "cross_entropy")
+    want = reference.forward_backward(data, "cross_entropy")
     assert got.loss_sum == pytest.approx(want.loss_sum, rel=1e-5)
     gradients = {n: p.grad for n, p in reference.model.named_parameters() if p.grad is not None}
-    checked = 0
-    for name, parameter in quantized.model.named_parameters():
-        if parameter.grad is not None:
-            torch.testing.assert_close(parameter.grad, gradients[name], rtol=1e-4, atol=1e-6)
-            checked += 1
-    assert checked == len(gradients) == 2 * 7 * 2  # A and B of 7 projections in each of 2 layers
+    pairs = [(p.grad, gradients[n]) for n, p in quantized.model.named_parameters() if p.grad is not None]
+    assert len(pairs) == len(gradients) == 2 * 7 * 2  # A and B of 7 projections in each of 2 layers
+    return pairs
 
 
 def test_trainjob_with_method_qlora_writes_a_full_precision_merged_model(
@@ -234,53 +241,18 @@ def test_8bit_lora_gradients_follow_the_dequantized_model(tmp_path, wide_base, c
     bases = [m.base_layer for m in quantized.model.modules() if hasattr(m, "base_layer")]
     assert bases and all(isinstance(b, Linear8bitLt) for b in bases)
     reference = _dequantized_8bit_reference(str(wide_base), 4, cfg.lora_alpha)
-    with torch.no_grad():
-        theirs = dict(reference.model.named_parameters())
-        for name, parameter in quantized.model.named_parameters():
-            if "lora_" in name:
-                if "lora_B" in name:
-                    parameter.normal_(0, 0.2)
-                theirs[name].copy_(parameter)
-    data = [
-        Datum(
-            ModelInput.from_ints([1, 8, 9, 12, 13, 14]),
-            {"target_tokens": [8, 9, 12, 13, 14, 2], "weights": [1.0] * 6},
-        ),
-        Datum(ModelInput.from_ints([20, 21, 22]), {"target_tokens": [21, 22, 2], "weights": [1.0] * 3}),
-    ]
-    got = quantized.forward_backward(data, "cross_entropy")
-    want = reference.forward_backward(data, "cross_entropy")
-    assert got.loss_sum == pytest.approx(want.loss_sum, rel=1e-5)
-    gradients = {n: p.grad for n, p in reference.model.named_parameters() if p.grad is not None}
-    worst = 0.0
-    for name, parameter in quantized.model.named_parameters():
-        if parameter.grad is not None:
-            scale = gradients[name].abs().max()
-            worst = max(worst, float((parameter.grad - gradients[name]).abs().max() / scale))
-    assert len(gradients) == 2 * 7 * 2
+    worst = max(
+        float((mine - theirs).abs().max() / theirs.abs().max())
+        for mine, theirs in _gradients_beside(quantized, reference)
+    )
     assert worst < 1e-4
 
 
 def test_8bit_lora_trains_resumes_the_same_kind_and_merges_into_the_full_precision_model(
     tmp_path, wide_base, chats, word_tokenizer, capsys
 ):
-    run = tmp_path / "run"
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(_lora_8bit_config(wide_base, chats, run, save_steps=4)))
-    assert main(["train", str(path)]) == 0
-    losses = [
-        row["loss"]
-        for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-        if "loss" in row
-    ]
-    assert len(losses) == 8 and losses[-1] < losses[0] * 0.7
-    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(wide_base), str(run))
-    merged_dir = tmp_path / "merged"
-    assert main(["merge", str(path), "--out", str(merged_dir)]) == 0
-    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
-    tokens = torch.tensor([[3, 4, 5, 6, 7]])
-    with torch.no_grad():
-        torch.testing.assert_close(merged(tokens).logits, tuned(tokens).logits, rtol=1e-4, atol=1e-4)
+    config = _lora_8bit_config(wide_base, chats, tmp_path / "run", save_steps=4)
+    path, run, _ = _trains_and_merges(tmp_path, config, wide_base)
     # a checkpoint of the 8-bit run does not resume as a full-precision one
     plain = _lora_8bit_config(
         wide_base, chats, run, load_in_8bit=False, resume_from_checkpoint=str(run / "checkpoint-4")
