@@ -27,18 +27,18 @@ from hanzo_gym.config.tracking import TrackingKeys
 from hanzo_gym.config.vllm_keys import VllmSection, VllmTrlKeys, check_vllm_keys
 from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
+from hanzo_gym.rewards.user_code import is_dotted_name
 
 # Axolotl's warmup when the config gives none: 3 % of the run, at most 100 steps.
 DEFAULT_WARMUP_RATIO = 0.03
 MAX_DEFAULT_WARMUP = 100
 # torch, numpy and Python's `random` all take seeds up to 2**32 - 1 (numpy's legacy seeding allows no more).
 MAX_SEED = 2**32 - 1
-_DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 
 def is_user_transform(dataset_type: str) -> bool:
     """Axolotl's `type: module.function` (e.g. `rewards.prompt_transform`)."""
-    return dataset_type not in DATASET_TYPES and _DOTTED_NAME.fullmatch(dataset_type) is not None
+    return dataset_type not in DATASET_TYPES and is_dotted_name(dataset_type)
 
 
 SFT_TYPES = ("chat_template", "alpaca", "completion")
@@ -70,9 +70,8 @@ class DatasetConfig(_Strict):
     type: str
     split: str | None = None
     data_files: list[str] | None = None
-    name: str | None = (
-        None  # a configuration of the dataset (its card's `configs`), as load_dataset(path, name)
-    )
+    # a configuration of the dataset (its card's `configs`), as load_dataset(path, name)
+    name: str | None = None
     field_messages: str = "messages"
     drop_system_message: bool = False  # leave out a conversation's leading system turn
     message_property_mappings: MessagePropertyMappings | None = None
@@ -93,9 +92,8 @@ class DatasetConfig(_Strict):
         if value not in DATASET_TYPES:
             close = close_misspelling(value, list(DATASET_TYPES))
             if close is None and is_user_transform(value):
-                return (
-                    value  # Axolotl's `module.function`: a transform of the user's (data/user_transforms.py)
-                )
+                # Axolotl's `module.function`: a transform of the user's (data/user_transforms.py)
+                return value
             hint = f"did you mean `{close}`? " if close else ""
             raise ValueError(
                 f"unknown dataset type; {hint}SFT and GRPO read chat_template, alpaca or completion; preference "
@@ -182,9 +180,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     tokenizer_config: str | None = None
     special_tokens: SpecialTokens | None = None
     chat_template: str | None = None
-    eot_tokens: list[str] | None = (
-        None  # the tokens that end a turn, trained with it (data/chat_templates.py)
-    )
+    # the tokens that end a turn, trained with it (data/chat_templates.py)
+    eot_tokens: list[str] | None = None
     datasets: list[DatasetConfig] = Field(min_length=1)
     val_set_size: float = Field(0.0, ge=0)
     dataset_prepared_path: str | None = None  # a folder keeping the tokenized datasets (data/prepared.py)
@@ -265,9 +262,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     bf16: Literal["auto", True, False] = "auto"
     tf32: Literal["auto", True, False] | None = None  # CUDA's TF32 matmuls; no effect on a CPU
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] | None = None
-    flash_attention: bool | None = (
-        None  # Axolotl's older switch: true means attn_implementation flash_attention_2
-    )
+    # Axolotl's older switch: true means attn_implementation flash_attention_2
+    flash_attention: bool | None = None
     model_type: str | None = None  # Axolotl's model class, checked against what base_model loads as
     tokenizer_type: str | None = None  # Axolotl's tokenizer class, likewise
     gradient_checkpointing: bool = False

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from hanzo_gym.config import Config
 from hanzo_gym.config.kernel_keys import kernel_notes
 from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
-from hanzo_gym.data.axolotl_templates import check_template_family
+from hanzo_gym.data.axolotl_templates import FAMILY_TEMPLATES, check_template_family
 from hanzo_gym.data.dataset import excess_length_note, load_examples
 from hanzo_gym.data.preference import load_preferences
 from hanzo_gym.data.prepared import load_prepared
@@ -143,9 +143,9 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
 def load_run_data(cfg: Config, tokenizer: PreTrainedTokenizerBase, write: bool = True) -> tuple[Any, str]:
     """The run's tokenized data (SFT examples, preference pairs or GRPO prompts) and what its items are called;
     read from or saved to `dataset_prepared_path` when that is set (saved only where `write`)."""
-    check_template_family(
-        cfg.chat_template, base_model_type(cfg.base_model, cfg.trust_remote_code), cfg.base_model
-    )
+    if cfg.chat_template in FAMILY_TEMPLATES:  # only then does the model's type matter
+        model_type = base_model_type(cfg.base_model, cfg.trust_remote_code)
+        check_template_family(cfg.chat_template, model_type, cfg.base_model)
     if cfg.rl == "grpo":
         load, what = load_prompts, "prompts"
     elif cfg.rl in PREFERENCE_METHODS:

@@ -12,7 +12,6 @@ raw per-function scores returned by name for the `rewards/<name>/mean` metrics.
 
 from __future__ import annotations
 
-import re
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -21,7 +20,7 @@ from hanzo_gym.rewards.base import Completion, RewardFunction
 from hanzo_gym.rewards.math_equal import MathEqual
 from hanzo_gym.rewards.remote import HttpReward
 from hanzo_gym.rewards.text import ExactMatch, FormatMatch, LengthPenalty, NumericMatch
-from hanzo_gym.rewards.user_code import PythonReward, TrlReward
+from hanzo_gym.rewards.user_code import PythonReward, TrlReward, is_dotted_name
 
 __all__ = ["Completion", "RewardFunction", "RewardFunctionFailed", "parse_reward", "score_completions"]
 
@@ -47,7 +46,6 @@ def _scores_of(func: RewardFunction, completions: list[Completion]) -> list[floa
         raise RewardFunctionFailed(func, error) from error
 
 
-_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 _PLAIN = {"exact_match": ExactMatch, "numeric_match": NumericMatch, "math_equal": MathEqual}
 
 
@@ -66,7 +64,7 @@ def parse_reward(spec: str) -> RewardFunction:
         return LengthPenalty(spec, rest)
     if sep and kind == "python":
         return PythonReward(spec, rest)
-    if not sep and _DOTTED.fullmatch(spec):
+    if not sep and is_dotted_name(spec):
         return TrlReward(spec)
     raise ConfigError(
         f'unknown reward function "{spec}"; use exact_match, numeric_match, math_equal, format:<regex>, '

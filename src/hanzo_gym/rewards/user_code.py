@@ -10,7 +10,7 @@
   completion `[{"role": "assistant", "content": text}]`; otherwise both are strings. TRL lets a function
   return None for a completion it does not score; here every score must be a finite number.
 
- `module` is imported like any Python module (dotted names allowed); when it is not importable
+`module` is imported like any Python module (dotted names allowed); when it is not importable
 from sys.path, the current directory is tried too, as TRL and Axolotl import reward modules relative to it.
 The function may do I/O: it runs on a thread beside the other rewards.
 """
@@ -19,11 +19,19 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable
 
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.rewards.base import Completion, RewardFunction, checked_scores
+
+_DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def is_dotted_name(text: str) -> bool:
+    """`module.function` (dotted Python names, at least one dot): how Axolotl names user code."""
+    return _DOTTED_NAME.fullmatch(text) is not None
 
 
 def import_user_module(what: str, module_name: str):
