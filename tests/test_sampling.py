@@ -124,6 +124,31 @@ def test_stops_by_token_id_and_by_string_include_the_stop(policy, word_tokenizer
     assert by_string.tokens == greedy.tokens[:cut] and by_string.stop_reason == "stop"
 
 
+def test_eos_ends_a_sample_unless_stop_is_an_empty_list(policy, word_tokenizer):
+    """Tinker's rule: `stop=None` keeps the tokenizer's EOS as a stop, a stop list adds to it, `stop=[]`
+    samples to max_tokens."""
+    import copy
+
+    [[greedy]] = sample_groups(
+        policy, word_tokenizer, [PROMPTS[1]], 1, SamplingParams(max_tokens=10, temperature=0)
+    )
+    assert greedy.stop_reason == "length"
+    eos = greedy.tokens[4]
+    cut = greedy.tokens.index(eos) + 1
+    tokenizer = copy.deepcopy(word_tokenizer)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    assert tokenizer.eos_token_id == eos
+
+    def greedy_with(stop):
+        params = SamplingParams(max_tokens=10, temperature=0, stop=stop)
+        [[sample]] = sample_groups(policy, tokenizer, [PROMPTS[1]], 1, params)
+        return sample.tokens, sample.stop_reason
+
+    assert greedy_with(None) == (greedy.tokens[:cut], "stop")
+    assert greedy_with([PROMPTS[0][0]]) == (greedy.tokens[:cut], "stop")
+    assert greedy_with([]) == (greedy.tokens, "length")
+
+
 def test_sampling_leaves_the_base_weights_bit_exact_and_the_adapter_on(policy, word_tokenizer):
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     switches = [m.disable_adapters for m in policy.modules() if isinstance(m, LoraLayer)]

@@ -368,6 +368,61 @@ def test_service_endpoints_and_unknown_ones(server, sdk):
     assert httpx.get(f"{server.url}/models").json()["data"][0]["id"] == SERVED_NAME
 
 
+def test_one_server_trains_and_samples_several_base_models(
+    tiny_dir, tiny_base, qwen3_tokenizer, reference, tmp_path, monkeypatch
+):
+    """`gym serve --tinker-model NAME=PATH`: a second base model beside the served one, loaded at its first
+    use, trained and sampled through the SDK under its own name, with its own tokenizer."""
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local-test")
+    models = ServedModels(ModelHost(tiny_dir), name=SERVED_NAME)
+    api = tinker_api(models, root=str(tmp_path), more_models={"tiny/qwen3": str(tiny_base)})
+    with Server(models, port=0, tinker=api) as running:
+        service = tinker.ServiceClient(base_url=running.base_url)
+        capabilities = tinker.RestClient(base_url=running.base_url).get_server_capabilities().result()
+        assert sorted(m.model_name for m in capabilities.supported_models) == sorted(
+            [SERVED_NAME, "tiny/qwen3"]
+        )
+
+        remote = service.create_lora_training_client(base_model="tiny/qwen3", rank=4, seed=0).result()
+        assert remote.get_info().model_data.model_name == "tiny/qwen3"
+        assert remote.get_tokenizer().encode("one two three") == qwen3_tokenizer.encode("one two three")
+        local = reference.create_lora_training_client(str(tiny_base), rank=4, seed=0)
+        words = [qwen3_tokenizer.encode(text) for text in ("the cat sat on the mat", "a dog ran far away")]
+        assert_same_output(
+            remote.forward_backward([sdk_datum(t) for t in words], "cross_entropy").result(),
+            local.forward_backward([gym_datum(t) for t in words], "cross_entropy").result(),
+        )
+        other = service.create_lora_training_client(base_model=SERVED_NAME, rank=4, seed=0).result()
+        assert other.get_info().model_data.model_name == SERVED_NAME
+
+        sampler = service.create_sampling_client(base_model="tiny/qwen3").result()
+        prompt = types.ModelInput.from_ints(words[0][:3])
+        sample = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0)).result()
+        want = reference.create_sampling_client(base_model=str(tiny_base)).sample(
+            gym_types.ModelInput.from_ints(words[0][:3]),
+            1,
+            gym_types.SamplingParams(max_tokens=4, temperature=0),
+        )
+        assert sample.sequences[0].tokens == want.result().sequences[0].tokens
+
+        with pytest.raises(tinker.RequestFailedError) as unknown:
+            service.create_lora_training_client(base_model="meta-llama/Llama-3.2-1B", rank=4).result()
+        assert SERVED_NAME in str(unknown.value) and "tiny/qwen3" in str(unknown.value)
+    models.batcher.close()
+
+
+def test_gym_serve_tinker_model_flags_are_checked_before_loading(tmp_path):
+    from hanzo_gym.errors import GymError
+    from hanzo_gym.serve.server import run_serve
+
+    with pytest.raises(GymError, match="give --tinker as well"):
+        run_serve(str(tmp_path / "never-loaded"), tinker_model_specs=[f"other={tmp_path}"])
+    with pytest.raises(GymError, match="--tinker-model other="):
+        run_serve(str(tmp_path / "never-loaded"), tinker=True, tinker_model_specs=[f"other={tmp_path}/none"])
+    with pytest.raises(GymError, match="write NAME=PATH"):
+        run_serve(str(tmp_path / "never-loaded"), tinker=True, tinker_model_specs=["no-name"])
+
+
 def test_custom_losses_async_calls_and_clients_side_by_side(sdk, reference, tiny_dir):
     """forward_backward_custom as the SDK does it (a forward, then a weighted cross-entropy pass), the async
     forms, and two training clients and their samplers interleaved on one base model."""

@@ -173,7 +173,7 @@ class SamplingParams:
 
     max_tokens: int | None = None
     seed: int | None = None
-    stop: str | Sequence[str] | Sequence[int] | None = None
+    stop: str | Sequence[str] | Sequence[int] | None = None  # EOS ends a sample too, unless stop is `[]`
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0

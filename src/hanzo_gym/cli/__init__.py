@@ -83,6 +83,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.default_max_tokens,
         args.max_request_tokens,
         args.tinker,
+        args.tinker_model,
     )
 
 
@@ -155,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also answer the official tinker SDK (/api/v1/*): TINKER_BASE_URL=http://HOST:PORT "
         "TINKER_API_KEY=tml-anything; checkpoints go under $HANZO_GYM_RUNS (needs pip install tinker==0.38.0)",
+    )
+    serve.add_argument(
+        "--tinker-model",
+        action="append",
+        metavar="NAME=PATH",
+        help="with --tinker: one more base model (hub id, folder or .gguf) that tinker clients ask for as "
+        "NAME, loaded at its first use; repeatable",
     )
     serve.add_argument("--verbose", action="store_true", help="log every request")
     serve.set_defaults(handler=_serve)

@@ -45,6 +45,16 @@ def stop_lists(stop: SamplingParams.stop) -> tuple[list[int], list[str]]:
     return ids, strings
 
 
+def stop_conditions(stop: SamplingParams.stop, eos_token_id: int | None) -> tuple[list[int], list[str]]:
+    """The token ids and strings that end a sample: the request's, plus the tokenizer's EOS unless the request
+    gave an empty list (Tinker's rule: `stop=None` keeps the implicit EOS, `stop=[]` samples to max_tokens)."""
+    ids, strings = stop_lists(stop)
+    disables_eos = stop is not None and not isinstance(stop, str) and len(stop) == 0
+    if eos_token_id is not None and not disables_eos:
+        ids = [*ids, eos_token_id]
+    return ids, strings
+
+
 @dataclass
 class Prompt:
     """One prompt to decode `num_samples` times. `on_token(sample, token, logprobs)` hears each new token and the
@@ -152,9 +162,7 @@ class DecodeBatch:
                     f"no room to sample: a prompt of {len(prompt.tokens)} tokens fills the model's context "
                     f"of {self._context}"
                 )
-        stop_ids, stop_strings = stop_lists(params.stop)
-        if self.tokenizer.eos_token_id is not None:
-            stop_ids = [*stop_ids, self.tokenizer.eos_token_id]
+        stop_ids, stop_strings = stop_conditions(params.stop, self.tokenizer.eos_token_id)
         return DecodeJob(prompt, max_tokens, stop_ids, stop_strings)
 
     def add(self, prompts: Sequence[Prompt]) -> list[DecodeJob]:

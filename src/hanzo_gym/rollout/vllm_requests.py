@@ -10,7 +10,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.engine import Engine
-from hanzo_gym.engine.sampling import stop_lists
+from hanzo_gym.engine.sampling import stop_conditions
 from hanzo_gym.errors import GymError
 from hanzo_gym.records import SampledSequence, SamplingParams
 
@@ -20,9 +20,7 @@ def vllm_sampling_fields(params: SamplingParams, tokenizer: PreTrainedTokenizerB
     where the built-in sampler stops: the tokenizer's EOS and the request's stop ids and strings, never the
     generation config's other EOS ids; log-probabilities of the sampled tokens are the raw model's (vLLM's
     default `raw_logprobs`), as ours are."""
-    stop_ids, stop_strings = stop_lists(params.stop)
-    if tokenizer.eos_token_id is not None:
-        stop_ids = [*stop_ids, tokenizer.eos_token_id]
+    stop_ids, stop_strings = stop_conditions(params.stop, tokenizer.eos_token_id)
     if params.max_tokens is None:
         raise GymError("vLLM rollouts need max_tokens")
     return {

@@ -18,6 +18,7 @@ from urllib.parse import unquote, urlsplit
 
 from hanzo_gym.errors import GymError
 from hanzo_gym.host.model_host import ModelHost
+from hanzo_gym.model.hub import resolve_model
 from hanzo_gym.serve.api import chat, complete
 from hanzo_gym.serve.models import ServedModels
 from hanzo_gym.serve.protocol import (
@@ -361,14 +362,17 @@ def serve(
     verbose: bool = False,
     limits: dict[str, int] | None = None,
     tinker: bool = False,
+    tinker_models: dict[str, str] | None = None,
 ) -> None:
     """Serve `host`'s base model and `adapters` (name → PEFT folder or gym:// path) until interrupted; with
-    `tinker`, Tinker's training and sampling API too (checkpoints under $HANZO_GYM_RUNS)."""
+    `tinker`, Tinker's training and sampling API too (checkpoints under $HANZO_GYM_RUNS), on `host` and on
+    `tinker_models` (name → base model, each loaded at its first use)."""
     try:
         models = ServedModels(host, adapters, renderer=renderer, name=name, **(limits or {}))
     except APIError as error:
         raise GymError(error.message) from None
-    server = Server(models, bind, port, verbose, tinker_api(models) if tinker else None)
+    api = tinker_api(models, more_models=tinker_models) if tinker else None
+    server = Server(models, bind, port, verbose, api)
     print(server.banner(), flush=True)
     try:
         server.serve_forever()
@@ -377,16 +381,17 @@ def serve(
         models.batcher.close()
 
 
-def parse_adapter_specs(specs: list[str] | None) -> dict[str, str]:
-    adapters: dict[str, str] = {}
+def parse_named_paths(specs: list[str] | None, flag: str, what: str) -> dict[str, str]:
+    """`NAME=PATH` command-line values (`flag` and `what` PATH is, for the error) as {name: path}."""
+    named: dict[str, str] = {}
     for spec in specs or []:
         name, sep, path = (part.strip() for part in spec.partition("="))
         if not sep or not name or not path:
-            raise GymError(f"--adapter {spec!r}: write NAME=PATH (a PEFT adapter folder or a gym:// path)")
-        if name in adapters:
-            raise GymError(f"--adapter {name} is given twice")
-        adapters[name] = path
-    return adapters
+            raise GymError(f"{flag} {spec!r}: write NAME=PATH ({what})")
+        if name in named:
+            raise GymError(f"{flag} {name} is given twice")
+        named[name] = path
+    return named
 
 
 def run_serve(
@@ -400,9 +405,20 @@ def run_serve(
     default_max_tokens: int | None = None,
     max_request_tokens: int | None = None,
     tinker: bool = False,
+    tinker_model_specs: list[str] | None = None,
 ) -> None:
     """`gym serve`: load the base model once, then serve it with its adapters."""
-    adapters = parse_adapter_specs(adapter_specs)
+    adapters = parse_named_paths(adapter_specs, "--adapter", "a PEFT adapter folder or a gym:// path")
+    tinker_models = parse_named_paths(
+        tinker_model_specs, "--tinker-model", "a base model: hub id, local folder or .gguf file"
+    )
+    if tinker_models and not tinker:
+        raise GymError("--tinker-model adds base models to the Tinker API: give --tinker as well")
+    for tinker_name, path in tinker_models.items():
+        try:
+            resolve_model(path)  # a typo fails now, not at a client's first create_model
+        except GymError as exc:
+            raise GymError(f"--tinker-model {tinker_name}={path}: {exc}") from None
     if not 0 <= port <= 65535:
         raise GymError(f"--port {port}: use 0-65535")
     limits = {"default_max_tokens": default_max_tokens, "max_request_tokens": max_request_tokens}
@@ -414,14 +430,25 @@ def run_serve(
         from hanzo_gym.serve.tinker_wire import proto
 
         proto()  # before the model loads: a missing SDK fails in a moment
-    serve(ModelHost(model), adapters, bind, port, renderer, name, verbose, limits, tinker)
+    serve(ModelHost(model), adapters, bind, port, renderer, name, verbose, limits, tinker, tinker_models)
 
 
-def tinker_api(models: ServedModels, root: str | None = None, **options: Any) -> TinkerAPI:
-    """Tinker's API over `models`' base model (one copy in memory, shared with the OpenAI endpoints): training
-    clients add adapters to it, and it answers to the served name as well as to its path."""
+def tinker_api(
+    models: ServedModels,
+    root: str | None = None,
+    more_models: dict[str, str] | None = None,
+    **options: Any,
+) -> TinkerAPI:
+    """Tinker's API over `models`' base model (one copy in memory, shared with the OpenAI endpoints), which
+    answers to the served name as well as to its path, and over `more_models` (name → base model, loaded at
+    the first request that names it). Training clients add adapters to their base model."""
     from hanzo_gym.tinker.service_client import ServiceClient
 
     service = ServiceClient(root=root)
     service.serve_host(models.host, models.batcher)
-    return TinkerAPI(service, {models.name: models.host.base_model}, **options)
+    names = {models.name: models.host.base_model}
+    for name, base_model in (more_models or {}).items():
+        if name in names:
+            raise GymError(f"--tinker-model {name}: that name is already the served model's")
+        names[name] = base_model
+    return TinkerAPI(service, names, **options)
