@@ -423,6 +423,55 @@ def test_gym_serve_tinker_model_flags_are_checked_before_loading(tmp_path):
         run_serve(str(tmp_path / "never-loaded"), tinker=True, tinker_model_specs=["no-name"])
 
 
+def test_rest_client_sees_runs_and_checkpoints_and_the_cookbook_its_renderer(sdk, server):
+    """The SDK's RestClient over the checkpoint folders: a run's base model, rank and user_metadata (what the
+    cookbook's checkpoint_utils reads to check the renderer), its checkpoints newest last, weights_info, and
+    deleting a checkpoint; all read from disk, as after a restart."""
+    from tinker_cookbook import checkpoint_utils
+
+    client = sdk.create_lora_training_client(
+        base_model=SERVED_NAME, rank=4, seed=0, train_mlp=False, user_metadata={"renderer_name": "role_colon"}
+    ).result()
+    client.forward_backward([sdk_datum(s) for s in SENTENCES], "cross_entropy")
+    client.optim_step(types.AdamParams(**ADAM))
+    state = client.save_state("rest-state").result().path
+    sampler_path = client.save_weights_for_sampler("rest-sampler").result().path
+    run_id = types.ParsedCheckpointTinkerPath.from_tinker_path(state).training_run_id
+
+    rest = tinker.RestClient(base_url=server.base_url)
+    run = rest.get_training_run_by_tinker_path(sampler_path).result()
+    assert (run.training_run_id, run.base_model, run.lora_rank, run.is_lora) == (run_id, SERVED_NAME, 4, True)
+    assert run.user_metadata == {"renderer_name": "role_colon"}
+    assert run.last_checkpoint.tinker_path == state
+    assert run.last_sampler_checkpoint.tinker_path == sampler_path
+    assert checkpoint_utils.get_renderer_name_from_checkpoint(sdk, state) == "role_colon"
+
+    listed = rest.list_checkpoints(run_id).result().checkpoints
+    assert [(c.checkpoint_type, c.tinker_path) for c in listed] == [
+        ("training", state),
+        ("sampler", sampler_path),
+    ]
+    assert all(c.size_bytes > 0 for c in listed)
+    assert run_id in [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
+    everything = rest.list_user_checkpoints(limit=2).result()
+    assert len(everything.checkpoints) == 2 and everything.cursor.total_count >= 2
+
+    info = rest.get_weights_info_by_tinker_path(state).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == (SERVED_NAME, True, 4)
+    assert (info.train_mlp, info.train_attn) == (False, True)
+
+    # A run made from the checkpoint keeps its metadata; a deleted checkpoint is gone from disk and listings.
+    resumed = sdk.create_training_client_from_state(state).result()
+    resumed_state = resumed.save_state("resumed").result().path
+    assert rest.get_training_run_by_tinker_path(resumed_state).result().user_metadata == run.user_metadata
+    rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+    assert [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints] == [state]
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_weights_info_by_tinker_path(sampler_path).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_training_run("no-such-run").result()
+
+
 def test_custom_losses_async_calls_and_clients_side_by_side(sdk, reference, tiny_dir):
     """forward_backward_custom as the SDK does it (a forward, then a weighted cross-entropy pass), the async
     forms, and two training clients and their samplers interleaved on one base model."""

@@ -130,7 +130,7 @@ class _Handler(BaseHTTPRequestHandler):
         except APIError as error:
             self._send_json(error.status, {"error": error.message, "category": "user"})
             return
-        reply = self.server.tinker.handle(self.command, path, self.headers, body)
+        reply = self.server.tinker.handle(self.command, path, self.headers, body, urlsplit(self.path).query)
         self._send(reply.status, reply.body, reply.content_type)
 
     def _read_body(self) -> bytes:

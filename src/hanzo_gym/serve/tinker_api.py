@@ -29,12 +29,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 import hanzo_gym.serve.tinker_wire as wire
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.hub import model_key
 from hanzo_gym.records import AdamParams, ModelInput
+from hanzo_gym.serve.tinker_runs import NotFound, TrainingRuns
 from hanzo_gym.serve.tinker_wire import WireError
 from hanzo_gym.tinker.sampling_client import SamplingClient
 from hanzo_gym.tinker.service_client import ServiceClient
@@ -132,6 +133,7 @@ class TinkerAPI:
         self._futures: dict[str, _Pending] = {}
         self._submits: dict[tuple, dict[str, Any]] = {}  # dedup key → the submit's reply
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tinker-api")
+        self.runs = TrainingRuns(service.root, lambda recorded: self._base_of(recorded).name)
 
     def served_names(self) -> list[str]:
         return sorted({base.name for base in self._bases.values()})
@@ -140,12 +142,16 @@ class TinkerAPI:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- dispatch ------------------------------------------------------------------------------------------
-    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
-        """The reply to one request; never raises."""
+    def handle(
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes, query: str = ""
+    ) -> Reply:
+        """The reply to one request (`query`: the URL's query string); never raises."""
         endpoint = path[len(PREFIX) :].strip("/") if path.startswith(PREFIX) else path
         try:
             if method == "GET":
-                return self._get(endpoint)
+                return self._get(endpoint, parse_qs(query))
+            if method == "DELETE" and endpoint.startswith("training_runs/"):
+                return self._delete_checkpoint(endpoint)
             if method != "POST":
                 raise DirectError(f"{path} takes POST or GET, not {method}", 405)
             if endpoint == "forward_backward":
@@ -161,13 +167,23 @@ class TinkerAPI:
             result = handler(self, request)
             return result if isinstance(result, Reply) else Reply.json(result)
         except GymError as exc:
-            status = exc.status if isinstance(exc, DirectError) else 422
+            status = exc.status if isinstance(exc, DirectError) else 404 if isinstance(exc, NotFound) else 422
             return Reply.json({"error": str(exc), "category": "user", "detail": str(exc)}, status)
         except Exception as exc:  # noqa: BLE001 - a bug answers once; the server keeps serving
             traceback.print_exc(file=sys.stderr)
             return Reply.json({"error": f"internal error: {exc}", "category": "server"}, 500)
 
-    def _get(self, endpoint: str) -> Reply:
+    def _get(self, endpoint: str, query: dict[str, list[str]]) -> Reply:
+        parts = [unquote(part) for part in endpoint.split("/")]
+        if parts[0] == "training_runs" and len(parts) <= 3:
+            if len(parts) == 1:
+                return Reply.json(self.runs.runs(*_page(query, 20)))
+            if len(parts) == 2:
+                return Reply.json(self.runs.run(parts[1]))
+            if parts[2] == "checkpoints":
+                return Reply.json(self.runs.checkpoints(parts[1]))
+        if endpoint == "checkpoints":
+            return Reply.json(self.runs.all_checkpoints(*_page(query, 100)))
         if endpoint == "healthz":
             return Reply.json({"status": "ok"})
         if endpoint == "get_server_capabilities":
@@ -184,6 +200,18 @@ class TinkerAPI:
         raise DirectError(f"no such endpoint: GET {PREFIX}{endpoint}", 404)
 
     # -- direct endpoints ----------------------------------------------------------------------------------
+    def _weights_info(self, request: dict) -> dict:
+        return self.runs.weights_info(*_checkpoint_address(_field(request, "tinker_path", str)))
+
+    def _delete_checkpoint(self, endpoint: str) -> Reply:
+        """DELETE training_runs/<run>/checkpoints/<weights|sampler_weights>/<name> (the SDK's checkpoint_id is
+        `<kind>/<name>`)."""
+        parts = [unquote(part) for part in endpoint.split("/")]
+        if len(parts) != 5 or parts[2] != "checkpoints":
+            raise DirectError(f"no such endpoint: DELETE {PREFIX}{endpoint}", 404)
+        self.runs.delete(parts[1], parts[3], parts[4])
+        return Reply.json({})
+
     def _client_config(self, _: dict) -> dict:
         # One chunk's POST at a time per training client: requests arrive in seq_id order.
         return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": False, "proto_compress_fwdbwd": False}
@@ -396,6 +424,7 @@ class TinkerAPI:
                 train_mlp=bool(lora.get("train_mlp", True)),
                 train_attn=bool(lora.get("train_attn", True)),
                 train_unembed=bool(lora.get("train_unembed", True)),
+                user_metadata=request.get("user_metadata"),
             )
             with self._lock:
                 self._training[model_id] = _Trained(client, base)
@@ -530,7 +559,9 @@ class TinkerAPI:
                 if with_optimizer
                 else self.service.create_training_client_from_state
             )
-            client = make(path, base_model=base.key if base else None)
+            client = make(
+                path, base_model=base.key if base else None, user_metadata=request.get("user_metadata")
+            )
             trained = _Trained(client, base or self._base_of(client.get_info().model_name))
             with self._lock:
                 self._training[new_id] = trained
@@ -605,6 +636,7 @@ class TinkerAPI:
         "load_weights": _load_weights,
         "unload_model": _unload_model,
         "asample": _asample,
+        "weights_info": _weights_info,
     }
     _SUBMITS = frozenset(
         {
@@ -674,6 +706,27 @@ def _start_into(start: Callable[[], concurrent.futures.Future], out: concurrent.
             out.set_result(done.result())
 
     future.add_done_callback(copy)
+
+
+def _page(query: dict[str, list[str]], default_limit: int) -> tuple[int, int]:
+    """`limit` and `offset` of a listing, as the SDK sends them."""
+    values = []
+    for name, default in (("limit", default_limit), ("offset", 0)):
+        text = (query.get(name) or [str(default)])[-1]
+        if not text.isdigit():
+            raise DirectError(f"{name}={text!r}: use a whole number >= 0")
+        values.append(int(text))
+    return values[0], values[1]
+
+
+def _checkpoint_address(tinker_path: str) -> tuple[str, str, str]:
+    """(run, kind, name) of tinker://<run>/<weights|sampler_weights>/<name>."""
+    parts = tinker_path.removeprefix("tinker://").split("/")
+    if not tinker_path.startswith("tinker://") or len(parts) != 3:
+        raise WireError(
+            f"{tinker_path!r}: a checkpoint path is tinker://<run>/<weights|sampler_weights>/<name>"
+        )
+    return parts[0], parts[1], parts[2]
 
 
 def _json_reply(value: Any) -> Reply:

@@ -19,7 +19,7 @@ from hanzo_gym.model.hub import model_key
 from hanzo_gym.model.lora import read_adapter, read_adapter_config
 from hanzo_gym.tinker.paths import default_root, resolve
 from hanzo_gym.tinker.sampling_client import SamplingClient
-from hanzo_gym.tinker.training_client import TrainingClient
+from hanzo_gym.tinker.training_client import RUN_RECORD_KEYS, TrainingClient, read_run_record
 from hanzo_gym.tinker.types import GetServerCapabilitiesResponse, SupportedModel
 
 LORA_ALPHA = 32  # Tinker's adapters are exported with lora_alpha 32
@@ -82,6 +82,12 @@ class ServiceClient:
         )
         if not targets:
             raise GymError("train_mlp and train_attn are both False: the adapter would have nothing to train")
+        record = {
+            "train_mlp": train_mlp,
+            "train_attn": train_attn,
+            "train_unembed": train_unembed,
+            "user_metadata": _user_metadata(user_metadata),
+        }
         config = LoraConfig(
             r=rank,
             lora_alpha=LORA_ALPHA,
@@ -95,19 +101,28 @@ class ServiceClient:
             if seed is not None:
                 torch.manual_seed(seed)
             host.add_adapter(name, config)
-        return self._training_client(host, name)
+        return self._training_client(host, name, record)
 
     def create_training_client_from_state(
-        self, path: str, base_model: str | None = None, **_: Any
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        **_: Any,
     ) -> TrainingClient:
-        """A new training client starting from a checkpoint's weights, with a fresh optimizer."""
-        return self._from_state(path, base_model, with_optimizer=False)
+        """A new training client starting from a checkpoint's weights, with a fresh optimizer. It keeps the
+        checkpoint's user_metadata unless given its own."""
+        return self._from_state(path, base_model, user_metadata, with_optimizer=False)
 
     def create_training_client_from_state_with_optimizer(
-        self, path: str, base_model: str | None = None, **_: Any
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        **_: Any,
     ) -> TrainingClient:
         """A new training client starting from a checkpoint's weights and AdamW moments."""
-        return self._from_state(path, base_model, with_optimizer=True)
+        return self._from_state(path, base_model, user_metadata, with_optimizer=True)
 
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None, retry_config: Any = None
@@ -174,9 +189,9 @@ class ServiceClient:
     def _sampling_client(self, host: ModelHost, adapter: str | None, owns_adapter: bool) -> SamplingClient:
         return SamplingClient(host, self._batcher_of(host), adapter, owns_adapter)
 
-    def _training_client(self, host: ModelHost, adapter: str) -> TrainingClient:
+    def _training_client(self, host: ModelHost, adapter: str, record: dict[str, Any]) -> TrainingClient:
         return TrainingClient(
-            host, self._batcher_of(host), adapter, _new_run_id(), self.root, self._open_sampler
+            host, self._batcher_of(host), adapter, _new_run_id(), self.root, self._open_sampler, record
         )
 
     def _open_sampler(self, model_path: str) -> SamplingClient:
@@ -195,13 +210,18 @@ class ServiceClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _from_state(self, path: str, base_model: str | None, with_optimizer: bool) -> TrainingClient:
+    def _from_state(
+        self, path: str, base_model: str | None, user_metadata: dict[str, str] | None, with_optimizer: bool
+    ) -> TrainingClient:
         directory = resolve(path, self.root)
         config = read_adapter_config(directory)
         host, _ = self._host(base_model or _base_of(config, path))
         name = host.new_name("train")
         host.add_adapter(name, LoraConfig(**{**config.to_dict(), "inference_mode": False}))
-        client = self._training_client(host, name)
+        record = {key: value for key, value in read_run_record(directory).items() if key in RUN_RECORD_KEYS}
+        if user_metadata is not None:
+            record["user_metadata"] = _user_metadata(user_metadata)
+        client = self._training_client(host, name, record)
         load = client.load_state_with_optimizer if with_optimizer else client.load_state
         load(path).result()
         return client
@@ -216,6 +236,16 @@ def _base_of(config: LoraConfig, path: str) -> str:
     if not config.base_model_name_or_path:
         raise GymError(f"{path}: adapter_config.json names no base_model_name_or_path; pass base_model=")
     return config.base_model_name_or_path
+
+
+def _user_metadata(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise GymError("user_metadata must map strings to strings")
+    return dict(value)
 
 
 def _new_run_id() -> str:

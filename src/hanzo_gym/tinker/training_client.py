@@ -41,6 +41,19 @@ from hanzo_gym.tinker.types import (
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
+RUN_RECORD = "gym_checkpoint.json"  # in every checkpoint folder: its run, base model and RUN_RECORD_KEYS
+RUN_RECORD_KEYS = ("train_mlp", "train_attn", "train_unembed", "user_metadata")
+
+
+def read_run_record(directory: Path) -> dict[str, Any]:
+    """A checkpoint's RUN_RECORD ({} for a folder saved elsewhere, a PEFT adapter from gym train say)."""
+    try:
+        record = json.loads((directory / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 class TrainingClient:
     def __init__(
         self,
@@ -50,15 +63,18 @@ class TrainingClient:
         run_id: str,
         root: Path,
         open_sampler: Callable[[str], SamplingClient],
+        record: dict[str, Any] | None = None,
     ):
         """Made by ServiceClient: `root` is where gym:// paths live, `open_sampler(model_path)` is the
-        service's create_sampling_client."""
+        service's create_sampling_client, `record` what each checkpoint notes about the run (RUN_RECORD_KEYS:
+        which layers it trains, the user's metadata)."""
         self._host = host
         self._batcher = batcher
         self._root = root
         self._open_sampler = open_sampler
         self._adapter = adapter
         self.run_id = run_id
+        self.record = dict(record or {})
         with host.using(adapter) as model:
             self._engine = Engine(model, host.tokenizer)
         self._worker = OrderedWorker(f"hanzo-gym-{run_id}")
@@ -268,9 +284,8 @@ class TrainingClient:
         def build(staging: Path) -> None:
             save_engine_state(self._engine, staging, with_optimizer)
             self._host.tokenizer.save_pretrained(str(staging))
-            (staging / "gym_checkpoint.json").write_text(
-                json.dumps({"base_model": self._host.base_model, "run_id": self.run_id, "path": path}) + "\n"
-            )
+            record = {"base_model": self._host.base_model, "run_id": self.run_id, "path": path, **self.record}
+            (staging / RUN_RECORD).write_text(json.dumps(record) + "\n")
 
         # Written whole into a temporary sibling and renamed: a crash never leaves half a checkpoint.
         publish_directory(build, destination)
