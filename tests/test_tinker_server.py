@@ -106,13 +106,20 @@ def test_the_sdk_trains_like_the_in_process_client(sdk, reference, tiny_dir, wor
     step = remote.optim_step(types.AdamParams(**ADAM)).result()
     assert step.metrics and set(step.metrics) >= {"grad_norm"}
     local.optim_step(gym_types.AdamParams(**ADAM)).result()
-    for loss in ("importance_sampling", "ppo"):
+    # Every RL loss the engine has, with a loss_fn_config where it takes one.
+    configs = {
+        "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+        "dro": {"beta": 0.2},
+        "cispo": {},
+    }
+    for loss in ("importance_sampling", "ppo", "cispo", "dro"):
+        config = configs.get(loss)
         assert_same_output(
             remote.forward_backward(
-                [sdk_datum(s, **rl_inputs(s, i)) for i, s in enumerate(SENTENCES)], loss
+                [sdk_datum(s, **rl_inputs(s, i)) for i, s in enumerate(SENTENCES)], loss, config
             ).result(),
             local.forward_backward(
-                [gym_datum(s, **rl_inputs(s, i)) for i, s in enumerate(SENTENCES)], loss
+                [gym_datum(s, **rl_inputs(s, i)) for i, s in enumerate(SENTENCES)], loss, config
             ).result(),
         )
     remote.optim_step(types.AdamParams(**ADAM)).result()
