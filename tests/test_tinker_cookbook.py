@@ -29,12 +29,14 @@ pytestmark = pytest.mark.real_model
 SERVED_NAME = "meta-llama/Llama-3.2-1B"
 SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."  # rl_loop's question suffix
 DRIVER = """
-import importlib, json, sys
+import importlib, json, os, sys
 import chz, datasets
 recipe, data, *argv = sys.argv[1:]
-rows = [json.loads(line) for line in open(data)]
-datasets.load_dataset = lambda *args, **kwargs: datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
-chz.nested_entrypoint(importlib.import_module(f"tinker_cookbook.recipes.{recipe}").main, argv=argv)
+rows = datasets.Dataset.from_list([json.loads(line) for line in open(data)])
+splits = os.environ.get("RECIPE_SPLITS", "train").split(",")
+datasets.load_dataset = lambda *args, **kwargs: datasets.DatasetDict({split: rows for split in splits})
+entry = getattr(importlib.import_module(f"tinker_cookbook.recipes.{recipe}"), os.environ.get("RECIPE_ENTRY", "main"))
+chz.nested_entrypoint(entry, argv=argv)
 """
 # sl_loop: 48 dialogues in batches of 8 = 6 steps, a state checkpoint at step 4 and the final one.
 SL_ARGS = ["batch_size=8", "lora_rank=8", "learning_rate=1e-3", "save_every=4"]
@@ -74,6 +76,14 @@ def cookbook(converted_real_model, tmp_path_factory):
         {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
         for a, b in random.Random(0).sample(sums, 12)
     ]
+    # The DPO recipe's hh-rlhf rows: the same dialogue ending in the right sum (chosen) or a wrong one.
+    pairs = [
+        {
+            "chosen": f"\n\nHuman: What is {a} + {b}?\n\nAssistant: {a} + {b} = {a + b}.",
+            "rejected": f"\n\nHuman: What is {a} + {b}?\n\nAssistant: {a} + {b} = {a + b + 3}.",
+        }
+        for a, b in sums[:24]
+    ]
     started = time.monotonic()
     process, url = start_gym_serve(SERVED_NAME, work / "runs", cwd=work)
     print(f"\ngym serve --tinker: up in {time.monotonic() - started:.0f} s")
@@ -83,15 +93,27 @@ def cookbook(converted_real_model, tmp_path_factory):
             url=url,
             chats=write_jsonl(work / "chats.jsonl", chats),
             questions=write_jsonl(work / "questions.jsonl", questions),
+            pairs=write_jsonl(work / "pairs.jsonl", pairs),
         )
     finally:
         stop(process)
 
 
-def run_recipe(cookbook, recipe: str, data: Path, log_path: Path, args: list[str]) -> str:
-    """The recipe's console output; a failed run fails the test with its tail."""
+def run_recipe(
+    cookbook,
+    recipe: str,
+    data: Path,
+    log_path: Path,
+    args: list[str],
+    entry: str = "main",
+    splits: str = "train",
+) -> str:
+    """The recipe's console output (`entry`: its function that `python -m` calls; `splits`: the dataset splits
+    its load_dataset returns, each the local rows); a failed run fails the test with its tail."""
     env = {
         **os.environ,
+        "RECIPE_ENTRY": entry,
+        "RECIPE_SPLITS": splits,
         "TINKER_BASE_URL": cookbook.url,
         "TINKER_API_KEY": "tml-dummy",
         "HF_HUB_OFFLINE": "1",
@@ -168,4 +190,21 @@ def test_rl_loop_trains_from_the_sl_state(cookbook, sl_run):
     # A batch whose groups all got equal rewards is skipped by the recipe (no grad_norm); the others trained.
     trained = [row for row in metrics if "grad_norm" in row]
     assert trained and all(math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0 for row in trained)
+    assert read_jsonl(log_path / "checkpoints.jsonl")[-1]["name"] == "final"
+
+
+def test_the_dpo_recipe_trains_through_forward_backward_custom(cookbook):
+    """recipes.preference.dpo.train (its hh-rlhf dataset replaced by 24 local pairs): the reference is a
+    sampling client of the starting weights, the loss a Python function over forward_backward_custom's
+    logprobs. At the first step policy and reference are the same weights, so the loss is ln 2 exactly as far
+    as the server's training forward and its compute_logprobs agree; then the chosen answers pull ahead."""
+    log_path = cookbook.work / "dpo"
+    args = ["dataset=hhh", "batch_size=8", "learning_rate=1e-3", "dpo_beta=0.5", "max_length=256"]
+    run_recipe(cookbook, "preference.dpo.train", cookbook.pairs, log_path, args, "cli_main", "train,test")
+    metrics = [row for row in read_jsonl(log_path / "metrics.jsonl") if "dpo_loss" in row]
+    losses = [row["dpo_loss"] for row in metrics]
+    print(f"\ndpo recipe dpo_loss by step: {' '.join(f'{x:.4f}' for x in losses)}")
+    assert [row["step"] for row in metrics] == [0, 1, 2] and all(row["num_pairs"] == 8 for row in metrics)
+    assert abs(losses[0] - math.log(2)) < 1e-4 and abs(metrics[0]["margin"]) < 1e-3
+    assert losses[-1] < losses[0] - 0.05 and metrics[-1]["margin"] > 0 and metrics[-1]["accuracy"] > 0.5
     assert read_jsonl(log_path / "checkpoints.jsonl")[-1]["name"] == "final"
