@@ -86,6 +86,26 @@ class DatasetConfig(_Strict):
     # Axolotl's role mapping: the canonical role → the names rows use for it (e.g. assistant: [gpt, bot])
     roles: dict[str, list[str]] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_message_field_names(cls, data: Any) -> Any:
+        """`message_field_role` / `message_field_content`: Axolotl's older names of the two mappings."""
+        if not isinstance(data, dict) or not {"message_field_role", "message_field_content"} & set(data):
+            return data
+        data = dict(data)
+        mappings = dict(data.get("message_property_mappings") or {})
+        for old, key in (("message_field_role", "role"), ("message_field_content", "content")):
+            if old not in data:
+                continue
+            value = data.pop(old)
+            if mappings.get(key, value) != value:
+                raise ValueError(
+                    f"{old}: {value} and message_property_mappings.{key}: {mappings[key]} disagree; give one"
+                )
+            mappings[key] = value
+        data["message_property_mappings"] = mappings
+        return data
+
     @field_validator("type")
     @classmethod
     def _known_type(cls, value: str) -> str:
@@ -260,6 +280,14 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     # ever waits on an unused parameter: both values run the same.
     ddp_find_unused_parameters: bool | None = None
     bf16: Literal["auto", True, False] = "auto"
+    # Axolotl's older switch for weights cast to bfloat16: true is `bf16: true` (the base in bf16; LoRA and
+    # AdamW stay fp32, as PEFT keeps an adapter on a bf16 base)
+    bfloat16: bool | None = None
+    # transformers' low-memory loading: the only way transformers 5 loads, so both values load the same
+    low_cpu_mem_usage: bool | None = None
+    # leave out exact duplicates (equal tokens and labels), the first one kept; validation rows equal to a
+    # training row go too
+    dataset_exact_deduplication: bool = False
     tf32: Literal["auto", True, False] | None = None  # CUDA's TF32 matmuls; no effect on a CPU
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] | None = None
     # Axolotl's older switch: true means attn_implementation flash_attention_2
@@ -314,6 +342,12 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                     f"attn_implementation: {self.attn_implementation}; give one of them"
                 )
             self.attn_implementation = "flash_attention_2"  # Axolotl's own normalization of the old switch
+        if self.bfloat16:
+            if self.bf16 is False:
+                raise ValueError(
+                    "bfloat16: true casts the model to bf16, and the config also says bf16: false"
+                )
+            self.bf16 = True
         if self.adapter == "none":
             raise ValueError("full fine-tuning (adapter: none) is not supported yet; set `adapter: lora`")
         if (self.adapter == "qlora") != self.load_in_4bit:

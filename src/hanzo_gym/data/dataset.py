@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.data.chat_templates import resolve_renderer
+from hanzo_gym.data.deduplicate import without_duplicates
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext, row_to_example
@@ -44,6 +45,7 @@ class LoadedData:
     train: list[Example]
     val: list[Example]
     stats: list[DatasetStats]  # one per dataset, in config order, then the total
+    duplicates: int = 0  # left out by dataset_exact_deduplication
 
 
 def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData:
@@ -63,9 +65,12 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
         examples.extend(kept)
         stats.append(ds_stats)
     stats.append(total_stats(stats))
+    duplicates = 0
+    if cfg.dataset_exact_deduplication:
+        examples, duplicates = without_duplicates(examples)
     random.Random(cfg.seed).shuffle(examples)
     train_count = len(examples) - validation_count(cfg.val_set_size, len(examples))
-    return LoadedData(train=examples[:train_count], val=examples[train_count:], stats=stats)
+    return LoadedData(examples[:train_count], examples[train_count:], stats, duplicates)
 
 
 def examples_from_rows(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.data.dataset import DatasetStats, total_stats, validation_count
+from hanzo_gym.data.deduplicate import without_duplicates
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext
 from hanzo_gym.errors import DataError
@@ -63,6 +64,7 @@ class LoadedPreferences:
     train: list  # PreferencePair for dpo / ipo / orpo / simpo, KtoExample for kto
     val: list
     stats: list[DatasetStats]
+    duplicates: int = 0  # left out by dataset_exact_deduplication
 
 
 # -- Axolotl's text templates ----------------------------------------------------------------------------------
@@ -364,10 +366,13 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
         kept, ds_stats = items_from_rows(rows, ds, ctx, cfg.sequence_len, strategy, kto=cfg.rl == "kto")
         pairs.extend(kept)
         stats.append(ds_stats)
+    duplicates = 0
+    if cfg.dataset_exact_deduplication:
+        pairs, duplicates = without_duplicates(pairs)
     random.Random(cfg.seed).shuffle(pairs)
     train_count = len(pairs) - validation_count(cfg.val_set_size, len(pairs))
     return LoadedPreferences(
-        train=pairs[:train_count], val=pairs[train_count:], stats=[*stats, total_stats(stats)]
+        pairs[:train_count], pairs[train_count:], [*stats, total_stats(stats)], duplicates
     )
 
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 Loaded = TypeVar("Loaded", LoadedData, LoadedPreferences, LoadedPrompts)
 
-FORMAT = 2  # 2: prompts keep their messages
+FORMAT = 3  # 2: prompts keep their messages; 3: the count of duplicates left out
 DATA_FILE = "prepared.json"
 INPUTS_FILE = "inputs.json"
 # Every config key a loader of `hanzo_gym.data` reads (dataset.py, preference.py, prompts.py).
@@ -53,6 +53,7 @@ DATA_KEYS = (
     "rl",
     "val_set_size",
     "seed",
+    "dataset_exact_deduplication",
 )
 _ITEM_TYPES = {cls.__name__: cls for cls in (Example, PreferencePair, KtoExample, Prompt)}
 _LOADED_TYPES = {cls.__name__: cls for cls in (LoadedData, LoadedPreferences, LoadedPrompts)}

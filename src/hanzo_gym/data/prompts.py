@@ -11,6 +11,7 @@ from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.config.schema import is_user_transform
 from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.dataset import validation_count
+from hanzo_gym.data.deduplicate import without_duplicates
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import canonical_role, chat_messages
 from hanzo_gym.data.user_transforms import load_user_transform
@@ -35,6 +36,7 @@ class LoadedPrompts:
     train: list[Prompt]
     val: list[Prompt]
     dropped: int  # longer than sequence_len
+    duplicates: int = 0  # left out by dataset_exact_deduplication
 
 
 def _row_answer(row: Row) -> str | None:
@@ -128,6 +130,9 @@ def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPromp
                 dropped += 1  # a cut prompt would ask a different question: drop it
                 continue
             prompts.append(prompt)
+    duplicates = 0
+    if cfg.dataset_exact_deduplication:
+        prompts, duplicates = without_duplicates(prompts)
     random.Random(cfg.seed).shuffle(prompts)
     train_count = len(prompts) - validation_count(cfg.val_set_size, len(prompts))
-    return LoadedPrompts(train=prompts[:train_count], val=prompts[train_count:], dropped=dropped)
+    return LoadedPrompts(prompts[:train_count], prompts[train_count:], dropped, duplicates)

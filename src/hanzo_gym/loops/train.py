@@ -155,6 +155,8 @@ def load_run_data(cfg: Config, tokenizer: PreTrainedTokenizerBase, write: bool =
     data, note = load_prepared(cfg, tokenizer, load, write=write)
     if note and is_main():
         print(note, flush=True)
+    if data.duplicates and is_main():
+        print(f"dataset_exact_deduplication: left out {data.duplicates} duplicate {what}", flush=True)
     if cfg.rl == "grpo" and data.dropped and is_main():
         print(f"dropped {data.dropped} prompts longer than sequence_len {cfg.sequence_len}", flush=True)
     return data, what
