@@ -281,7 +281,6 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ("lora_modules_to_save: [embed_tokens]\n", "`lora_modules_to_save` (training whole modules"),
         ("quantize_moe_experts: true\n", "`quantize_moe_experts` (quantizing the MoE expert weights)"),
         ("fp16: true\n", "`fp16` (float16 mixed precision)"),
         ("deepspeed: deepspeed_configs/zero2.json\n", "`deepspeed` (DeepSpeed ZeRO sharding)"),

@@ -226,6 +226,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     peft_use_rslora: bool = False  # rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r
     # module names, or one regular expression over full module paths (PEFT's rule: the whole path matches)
     lora_target_modules: list[str] | str = []
+    # whole modules trained beside the adapter (Axolotl's; typically [embed_tokens, lm_head]), saved in it
+    lora_modules_to_save: list[str] | None = None
     lora_target_linear: bool = False
     lora_model_dir: str | None = None  # start from this PEFT adapter (its own r, alpha and targets)
 
@@ -408,6 +410,17 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                 f"datasets type `{transformed[0]}` names a transform of your own (module.function), which "
                 "hanzo-gym reads for rl: grpo prompts only so far; use a built-in type"
             )
+        if self.lora_modules_to_save:
+            if self.rl == "grpo":
+                raise ValueError(
+                    "lora_modules_to_save with rl: grpo: the sampler folds only the LoRA deltas into its weights, "
+                    "so rollouts would not come from the trained modules; train them with SFT or DPO"
+                )
+            if self.lora_model_dir is not None:
+                raise ValueError(
+                    "lora_modules_to_save with lora_model_dir: the adapter directory's own settings govern, so "
+                    "the key would do nothing; remove one of them"
+                )
         if self.rl == "grpo" and self.loss_watchdog_threshold is not None:
             raise ValueError(
                 "loss_watchdog_threshold watches a loss that falls as training works (SFT, DPO and its family), "

@@ -73,7 +73,7 @@ class Engine:
         if scaled:
             raise GymError(f"{config.model_type}: output logits with `{scaled[0]}` are not supported yet")
         self._decoder = causal_lm.get_decoder()
-        self._output_weight = causal_lm.get_output_embeddings().weight
+        self._causal_lm = causal_lm
         self.packs_datums = False  # the check below scores on the plain path
         self.packs_datums = self._packing_is_exact()
         if not self.packs_datums:
@@ -241,6 +241,12 @@ class Engine:
             )
         return self.model.disable_adapter()
 
+    @property
+    def _output_weight(self) -> torch.Tensor:
+        # Read at every use: with a trained copy of the output layer (modules_to_save), disabling the adapter
+        # (a reference pass) switches back to the base's.
+        return self._causal_lm.get_output_embeddings().weight
+
     def _packing_is_exact(self) -> bool:
         """Whether two datums packed in one row score as they do alone. Architectures that ignore restarting
         position ids (OPT, for one) would let packed datums attend to each other."""
@@ -281,12 +287,14 @@ class Engine:
         `[N]` and, by name, the per-position `entropy` (and `log_sum_sq_probs` when asked)."""
         hidden = self._packed_hidden(datums)
         targets = self._concat(datums, "target_tokens", torch.long)
+        weight = self._output_weight
+        hidden = hidden.to(weight.dtype)  # a trained fp32 copy of the output layer over a bf16 base
         if log_sum_sq_probs:
             logprobs_N, entropy_N, log_sum_sq_N = token_logprobs_with_log_sum_sq(
-                hidden, self._output_weight, targets, self.logprob_chunk
+                hidden, weight, targets, self.logprob_chunk
             )
             return logprobs_N, {"entropy": entropy_N, "log_sum_sq_probs": log_sum_sq_N}
-        logprobs_N, entropy_N = token_logprobs(hidden, self._output_weight, targets, self.logprob_chunk)
+        logprobs_N, entropy_N = token_logprobs(hidden, weight, targets, self.logprob_chunk)
         return logprobs_N, {"entropy": entropy_N}
 
     def _packed_hidden(self, datums: list[Datum]) -> torch.Tensor:

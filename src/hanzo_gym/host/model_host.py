@@ -68,6 +68,13 @@ class ModelHost:
             self._drop_retired()
             if name in self.adapters:
                 raise ModelError(f"an adapter named `{name}` is already loaded")
+            if config.modules_to_save:
+                # The sampler folds LoRA deltas into the weights; a whole trained module would be left out.
+                raise ModelError(
+                    f"adapter `{name}` trains whole modules too (modules_to_save {list(config.modules_to_save)}), "
+                    "which this server does not sample from yet (nor does vLLM): fold it into the base with "
+                    "`gym merge` and serve the merged model"
+                )
             try:
                 if isinstance(self.model, PeftModel):
                     self.model.add_adapter(name, config)

@@ -83,7 +83,14 @@ def build_engine(
             print(note, flush=True)
     else:
         peft_model = attach_lora(
-            model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, cfg.base_model, cfg.peft_use_rslora
+            model,
+            cfg.lora_r,
+            cfg.lora_alpha,
+            cfg.lora_dropout,
+            targets,
+            cfg.base_model,
+            cfg.peft_use_rslora,
+            cfg.lora_modules_to_save,
         )
     optimizer_factory, fallback_note = build_optimizer_factory(cfg.optimizer, device)
     if fallback_note and is_main():

@@ -220,9 +220,9 @@ def load_tokenizer(
     for role, text in (special_tokens or {}).items():
         if text not in vocabulary:
             raise ModelError(
-                f"special_tokens.{role}: {text!r} is not in the vocabulary of `{name}`; a new token needs "
-                "trainable embeddings (Axolotl's lora_modules_to_save: [embed_tokens, lm_head]), which hanzo-gym "
-                "does not support yet: use a token the tokenizer has"
+                f"special_tokens.{role}: {text!r} is not in the vocabulary of `{name}`; adding a token "
+                "(Axolotl's `tokens`, with lora_modules_to_save to train its embedding) is not supported yet: "
+                "use a token the tokenizer has"
             )
         setattr(tokenizer, role, text)
     if tokenizer.pad_token is None:

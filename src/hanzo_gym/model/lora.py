@@ -23,15 +23,21 @@ def attach_lora(
     target_modules: list[str] | str,
     base_model_name: str,
     rslora: bool = False,
+    modules_to_save: list[str] | None = None,
 ) -> PeftModel:
     """Wrap `model` with a fresh adapter; `target_modules="all-linear"` adapts every linear layer but the output.
 
-    The adapter stays free of bias, DoRA and modules_to_save so that vLLM loads it as it is. `rslora`: scale
-    the LoRA path by alpha / sqrt(r) (rank-stabilised LoRA), recorded in adapter_config.json as PEFT does.
+    The adapter stays free of bias and DoRA. `rslora`: scale the LoRA path by alpha / sqrt(r) (rank-stabilised
+    LoRA), recorded in adapter_config.json as PEFT does. `modules_to_save` (Axolotl's lora_modules_to_save,
+    e.g. embed_tokens and lm_head) trains a full copy of each named module beside the adapter; on a model
+    whose input and output embeddings are one matrix they stay one (PEFT's ensure_weight_tying), so a merged
+    model keeps the architecture its config states. vLLM does not load such adapters.
     """
     if target_modules == "all-linear":
         target_modules = linear_module_names(model)
     _check_rank_fits(model, r, target_modules, base_model_name)
+    if modules_to_save:
+        _check_modules_exist(model, modules_to_save)
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -40,6 +46,9 @@ def attach_lora(
         use_rslora=rslora,
         bias="none",
         task_type="CAUSAL_LM",
+        modules_to_save=list(modules_to_save) if modules_to_save else None,
+        ensure_weight_tying=bool(modules_to_save)
+        and bool(getattr(model.config, "tie_word_embeddings", False)),
     )
     try:
         with warnings.catch_warnings():
@@ -91,11 +100,34 @@ def load_trainable_lora(model: PreTrainedModel, directory: str | Path, base_mode
 
 def keep_adapter_fp32(model: torch.nn.Module) -> None:
     """Every trainable (adapter) parameter in fp32, whatever the base's dtype: a bf16 adapter would round each
-    small update away (bf16 keeps 8 significant bits) and AdamW's moments, made like the parameters, with it."""
+    small update away (bf16 keeps 8 significant bits) and AdamW's moments, made like the parameters, with it.
+    A trained copy of the input embeddings (modules_to_save) then hands the layers above it their own dtype."""
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != torch.float32:
                 parameter.data = parameter.data.float()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings = base.get_input_embeddings()
+    layer_dtype = next((p.dtype for p in base.get_decoder().parameters() if p.is_floating_point()), None)
+    copies = getattr(embeddings, "modules_to_save", None)
+    if copies is not None and layer_dtype not in (None, torch.float32):
+        for copy in copies.values():
+            copy.register_forward_hook(lambda _module, _inputs, output: output.to(layer_dtype))
+
+
+def _check_modules_exist(model: torch.nn.Module, names: list[str]) -> None:
+    present = {path.rsplit(".", 1)[-1] for path, _ in model.named_modules()}
+    missing = sorted(set(names) - present)
+    if missing:
+        raise ModelError(
+            f"lora_modules_to_save {missing}: {model.config.model_type} has no module of that name (its "
+            f"embeddings are `{_short(model.get_input_embeddings(), model)}`, its output layer "
+            f"`{_short(model.get_output_embeddings(), model)}`)"
+        )
+
+
+def _short(module: torch.nn.Module | None, model: torch.nn.Module) -> str:
+    return next((path.rsplit(".", 1)[-1] for path, m in model.named_modules() if m is module), "?")
 
 
 def _check_rank_fits(
