@@ -143,14 +143,15 @@ def test_qlora_needs_both_keys_and_full_finetune_fails_at_load(tmp_path):
     together = "adapter: qlora and load_in_4bit: true go together"
     assert together in _error(tmp_path, BASE.replace("adapter: lora", "adapter: qlora"))
     assert together in _error(tmp_path, BASE + "load_in_4bit: true\n")
-    assert "full fine-tuning" in _error(tmp_path, BASE.replace("adapter: lora", "adapter: none"))
+    assert "`adapter` left out (or empty)" in _error(tmp_path, BASE.replace("adapter: lora", "adapter: none"))
 
 
-def test_adapter_and_datasets_are_required(tmp_path):
-    # Neither has a default that could validate: leaving one out says so, rather than failing on the default.
-    # Axolotl reads a missing or empty `adapter` as full fine-tuning: say that, not just "required".
+def test_datasets_are_required_and_no_adapter_is_full_fine_tuning(tmp_path):
+    # Axolotl reads a missing or empty `adapter` as full fine-tuning; the LoRA keys then say they do nothing.
     for text in (BASE.replace("adapter: lora\n", ""), BASE.replace("adapter: lora\n", "adapter:\n")):
-        assert "`adapter` is absent or empty: Axolotl then trains the full model" in _error(tmp_path, text)
+        assert "lora_target_linear: no `adapter` means full fine-tuning" in _error(tmp_path, text)
+        no_lora = text.replace("lora_target_linear: true\n", "")
+        assert _load(tmp_path, no_lora).full_fine_tuning
     required = "`datasets` is required: list at least one dataset, each with its `path` and `type`"
     for datasets in ("", "datasets:\n", "datasets: []\n"):
         assert _error(tmp_path, BASE.split("datasets:")[0] + datasets).endswith(required)

@@ -91,7 +91,7 @@ def _finished_run(tmp_path, base, data, capsys):
     assert main(["train", str(_grpo(tmp_path, base, data))]) == 0
     capsys.readouterr()
     before = _snapshot(tmp_path / "run")
-    for name in ("config.json", "metrics.jsonl", "checkpoints.jsonl", "adapter_config.json"):
+    for name in ("run_config.json", "metrics.jsonl", "checkpoints.jsonl", "adapter_config.json"):
         assert name in before
     assert "checkpoint-2/trainer_state.json" in before
     return before
@@ -168,7 +168,7 @@ def test_a_diverging_run_leaves_the_previous_run_intact(tmp_path, tiny_word_base
 
 def _old_run(directory):
     directory.mkdir()
-    (directory / "config.json").write_text("old config")
+    (directory / "run_config.json").write_text("old config")
     (directory / "metrics.jsonl").write_text('{"step": 1}\n')
     (directory / "checkpoints.jsonl").write_text('{"step": 5}\n')
     (directory / "adapter_config.json").write_text("old adapter")
@@ -183,7 +183,7 @@ def _new_run(directory, with_adapter):
     """What a new run writes: config, a metric row, a checkpoint, then (or not) its adapter."""
     run = RunDir(directory)
     assert run.start_fresh() == [
-        "config.json",
+        "run_config.json",
         "metrics.jsonl",
         "checkpoints.jsonl",
         "adapter_config.json",
@@ -200,7 +200,7 @@ def _new_run(directory, with_adapter):
         for name in ("adapter_model.safetensors", "tokenizer.json", "adapter_config.json"):
             (d / name).write_text(f"new {name}")
 
-    run.publish_adapter(adapter)
+    run.publish_final(adapter)
     return run
 
 
@@ -211,18 +211,18 @@ def test_a_new_run_is_staged_until_its_first_checkpoint(tmp_path, capsys):
     run.write_config({"new": True})
     run.log({"step": 1, "loss": 0.5})
     assert _snapshot(tmp_path / "run") == old | {
-        f"{run.metrics_path.parent.name}/config.json": b'{\n  "new": true\n}\n',
+        f"{run.metrics_path.parent.name}/run_config.json": b'{\n  "new": true\n}\n',
         f"{run.metrics_path.parent.name}/metrics.jsonl": b'{"step": 1, "loss": 0.5}\n',
     }
     run.save_checkpoint(2, 1.0, lambda d: (d / "trainer_state.json").write_text("{}"))
-    assert "this run replaced the previous run's config.json, metrics.jsonl" in capsys.readouterr().out
+    assert "this run replaced the previous run's run_config.json, metrics.jsonl" in capsys.readouterr().out
     after = _snapshot(tmp_path / "run")
     assert sorted(after) == [
         "checkpoint-2/trainer_state.json",
         "checkpoints.jsonl",
-        "config.json",
         "metrics.jsonl",
         "notes.txt",
+        "run_config.json",
     ]
     record = json.loads(after["checkpoints.jsonl"])
     assert record["path"] == "<run>/checkpoint-2"  # where it ends up, not in the staging folder
@@ -319,6 +319,6 @@ def test_a_swap_that_fails_part_way_is_left_for_the_next_run_to_finish(tmp_path,
     assert sorted(_snapshot(tmp_path / "run")) == [
         "checkpoint-2/trainer_state.json",
         "checkpoints.jsonl",
-        "config.json",
         "notes.txt",
+        "run_config.json",
     ]

@@ -191,7 +191,7 @@ def test_trainjob_with_method_qlora_writes_a_full_precision_merged_model(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert main(["trainjob"]) == 0
-    resolved = json.loads((output / "run" / "config.json").read_text())
+    resolved = json.loads((output / "run" / "run_config.json").read_text())
     assert (resolved["adapter"], resolved["load_in_4bit"]) == ("qlora", True)
     assert "quantization_config" not in json.loads((output / "config.json").read_text())
     merged = AutoModelForCausalLM.from_pretrained(output)

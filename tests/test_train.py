@@ -56,7 +56,7 @@ def test_gym_train_writes_the_run_directory_and_learns(tmp_path, tiny_base, chat
     printed = capsys.readouterr().out
     assert "step 1/" in printed and "eval/loss" in printed
 
-    resolved = json.loads((run / "config.json").read_text())
+    resolved = json.loads((run / "run_config.json").read_text())
     assert resolved["lora_r"] == 4 and resolved["lr_scheduler"] == "cosine"  # defaults filled in
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -250,12 +250,12 @@ def test_a_new_run_in_an_old_output_dir_starts_clean(tmp_path, tiny_base, chat_d
     second, _ = _config(tmp_path, tiny_base, chat_data, max_steps=3, save_steps=None)
     assert main(["train", str(second)]) == 0
     printed = capsys.readouterr().out
-    assert "the previous run's config.json, metrics.jsonl, checkpoints.jsonl" in printed
+    assert "the previous run's run_config.json, metrics.jsonl, checkpoints.jsonl" in printed
     assert "this run replaced the previous run's" in printed
     run = tmp_path / "run"
     assert sorted(_train_losses(run)) == [1, 2, 3]
     assert not list(run.glob("checkpoint-*")) and not (run / "checkpoints.jsonl").exists()
-    assert json.loads((run / "config.json").read_text())["max_steps"] == 3
+    assert json.loads((run / "run_config.json").read_text())["max_steps"] == 3
     assert (run / "adapter_config.json").is_file() and not [p for p in run.iterdir() if p.name[0] == "."]
 
 

@@ -364,7 +364,7 @@ def test_a_bad_data_row_leaves_the_previous_outputs_intact(tmp_path, tiny_base, 
         "tokenizer.json": "{}",
         "adapter/adapter_config.json": '{"r": 16}',
         "adapter/adapter_model.safetensors": "adapter weights",
-        "run/config.json": "{}",
+        "run/run_config.json": "{}",
         "run/metrics.jsonl": '{"step": 3}\n',
         "run/checkpoint-3/trainer_state.json": "{}",
     }

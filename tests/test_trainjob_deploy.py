@@ -158,7 +158,7 @@ def test_trainjob_end_to_end_with_the_manifest_environment(tmp_path, tiny_base, 
 
     # the run directory: resolved config and metrics (6 rows, 2 × 8 per step → 1 step per epoch, 3 epochs)
     run = output / "run"
-    resolved = json.loads((run / "config.json").read_text())
+    resolved = json.loads((run / "run_config.json").read_text())
     assert resolved["gradient_checkpointing"] is True and resolved["lora_r"] == 16
     assert resolved["datasets"][0]["path"].endswith("dataset/more/part-b.parquet")
     assert resolved["datasets"][1]["path"].endswith("dataset/part-a.jsonl")

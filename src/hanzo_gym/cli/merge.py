@@ -17,6 +17,11 @@ from hanzo_gym.model.lora import merged_model
 
 def adapter_directory(cfg: Config, checkpoint: str | None) -> Path:
     directory = Path(cfg.output_dir) / checkpoint if checkpoint else Path(cfg.output_dir)
+    if cfg.full_fine_tuning:
+        raise GymError(
+            f"{cfg.output_dir}: a full fine-tuning run (no `adapter`) has nothing to merge; its output_dir (or a "
+            "checkpoint-N in it) is the trained model, which from_pretrained loads as it is"
+        )
     if not (directory / "adapter_config.json").is_file():
         hint = "run `gym train` first" if checkpoint is None else "name one of the checkpoint-N folders"
         raise GymError(f"{directory} holds no adapter (no adapter_config.json): {hint}")

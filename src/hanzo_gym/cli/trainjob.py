@@ -440,6 +440,11 @@ def run_trainjob(job: TrainJob) -> None:
     from hanzo_gym.engine.distributed import init_from_env, is_main, shutdown
     from hanzo_gym.loops.train import run_training
 
+    if job.config.full_fine_tuning:
+        raise ConfigError(
+            "the TrainJob entry trains a LoRA adapter and merges it; full fine-tuning (no `adapter`) is not "
+            "supported there yet: set `adapter: lora`, or run `gym train` for a full fine-tuning run"
+        )
     init_from_env()
     try:
         if is_main():

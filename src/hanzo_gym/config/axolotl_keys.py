@@ -168,7 +168,8 @@ NOT_YET: dict[str, tuple[str, str]] = {
 
 # (key, value) → the sentence: a key we have, with an Axolotl value we do not implement yet.
 VALUES_NOT_YET: dict[tuple[str, Any], str] = {
-    ("adapter", "full"): "full fine-tuning is not supported yet; use `adapter: lora`",
+    ("adapter", "full"): "full fine-tuning is `adapter` left out (or empty), as in Axolotl",
+    ("adapter", "none"): "full fine-tuning is `adapter` left out (or empty), as in Axolotl",
     ("gradient_checkpointing", "offload"): (
         "Axolotl's `gradient_checkpointing: offload` (checkpointed activations kept in CPU memory) is not "
         "supported yet; use `gradient_checkpointing: true`"

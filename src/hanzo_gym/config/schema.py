@@ -215,7 +215,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     pad_to_sequence_len: bool = False  # each SFT row padded to sequence_len tokens (fixed shapes)
     group_by_length: bool = False  # HF's length-grouped order: mega-batches sorted by length
 
-    adapter: Literal["lora", "qlora", "none"]
+    # absent or empty: full fine-tuning (every weight trains), as in Axolotl
+    adapter: Literal["lora", "qlora"] | None = None
     load_in_4bit: bool = (
         False  # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes), the adapter in full precision
     )
@@ -326,32 +327,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
             )
         return value
 
-    @property
-    def lora_targets(self) -> list[str] | str:
-        """What the adapter targets: `all-linear`, sorted module names, or the regular expression."""
-        if self.lora_target_linear:
-            return "all-linear"
-        if isinstance(self.lora_target_modules, str):
-            return self.lora_target_modules
-        return sorted(self.lora_target_modules)
-
-    @model_validator(mode="after")
-    def _cross_key_rules(self) -> Config:
-        if self.flash_attention:
-            if self.attn_implementation not in (None, "flash_attention_2"):
-                raise ValueError(
-                    f"flash_attention: true means attn_implementation flash_attention_2, and the config also says "
-                    f"attn_implementation: {self.attn_implementation}; give one of them"
-                )
-            self.attn_implementation = "flash_attention_2"  # Axolotl's own normalization of the old switch
-        if self.bfloat16:
-            if self.bf16 is False:
-                raise ValueError(
-                    "bfloat16: true casts the model to bf16, and the config also says bf16: false"
-                )
-            self.bf16 = True
-        if self.adapter == "none":
-            raise ValueError("full fine-tuning (adapter: none) is not supported yet; set `adapter: lora`")
+    def _check_adapter(self) -> None:
+        """The LoRA settings' own rules."""
         if (self.adapter == "qlora") != self.load_in_4bit:
             raise ValueError(
                 "adapter: qlora and load_in_4bit: true go together (QLoRA: a LoRA adapter on a 4-bit base); "
@@ -376,6 +353,68 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                 f"lora_target_modules {untrainable}: LoRA on the embedding or output layer is not supported "
                 "(vLLM refuses such adapters); adapt the attention and MLP projections"
             )
+
+    def _check_full_fine_tuning(self) -> None:
+        """What full fine-tuning (no adapter) cannot go with, each with the reason."""
+        if self.load_in_4bit or self.load_in_8bit:
+            raise ValueError(
+                "no `adapter` means full fine-tuning, which trains every weight: a 4- or 8-bit base cannot "
+                "hold trained weights; set `adapter: qlora` (4-bit) or `adapter: lora` (8-bit)"
+            )
+        if self.rl is not None:
+            raise ValueError(
+                f"full fine-tuning (no `adapter`) with rl: {self.rl} is not supported yet: its reference model "
+                "and sampler work on an adapter over the frozen base; set `adapter: lora`"
+            )
+        if self.bf16 is True:
+            raise ValueError(
+                "full fine-tuning (no `adapter`) trains in fp32 here for now (bf16 weights would round small "
+                "updates away, and mixed-precision autocast is not in yet); set bf16: false or auto"
+            )
+        given = sorted(
+            key
+            for key in self.model_fields_set
+            if (key.startswith("lora_") or key == "peft_use_rslora")
+            and getattr(self, key) not in (None, [], False, type(self).model_fields[key].default)
+        )
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: no `adapter` means full fine-tuning, where LoRA settings do nothing; "
+                "remove them, or set `adapter: lora`"
+            )
+
+    @property
+    def full_fine_tuning(self) -> bool:
+        return self.adapter is None
+
+    @property
+    def lora_targets(self) -> list[str] | str:
+        """What the adapter targets: `all-linear`, sorted module names, or the regular expression."""
+        if self.lora_target_linear:
+            return "all-linear"
+        if isinstance(self.lora_target_modules, str):
+            return self.lora_target_modules
+        return sorted(self.lora_target_modules)
+
+    @model_validator(mode="after")
+    def _cross_key_rules(self) -> Config:
+        if self.flash_attention:
+            if self.attn_implementation not in (None, "flash_attention_2"):
+                raise ValueError(
+                    f"flash_attention: true means attn_implementation flash_attention_2, and the config also says "
+                    f"attn_implementation: {self.attn_implementation}; give one of them"
+                )
+            self.attn_implementation = "flash_attention_2"  # Axolotl's own normalization of the old switch
+        if self.bfloat16:
+            if self.bf16 is False:
+                raise ValueError(
+                    "bfloat16: true casts the model to bf16, and the config also says bf16: false"
+                )
+            self.bf16 = True
+        if self.adapter is None:
+            self._check_full_fine_tuning()
+        else:
+            self._check_adapter()
         if self.lr_scheduler == "polynomial" and self.learning_rate <= 1e-7:
             raise ValueError(
                 f"lr_scheduler: polynomial decays to HF's end rate 1e-7, which learning_rate {self.learning_rate} "
@@ -520,11 +559,6 @@ def _describe(error: dict, source: str, lines: dict) -> tuple[int, str]:
         return line, f"{where}: unknown key `{key}`;{hint}"
     if loc == ("datasets",) and kind in ("missing", "too_short"):
         return line, f"{where}: {_DATASETS_REQUIRED}"
-    if loc == ("adapter",) and kind == "missing":
-        return line, (
-            f"{where}: `adapter` is absent or empty: Axolotl then trains the full model, which hanzo-gym does "
-            "not support yet; set `adapter: lora` (or `adapter: qlora` with `load_in_4bit: true`)"
-        )
     if kind == "missing":
         return line, f"{where}: `{key}` is required"
     value = error.get("input")

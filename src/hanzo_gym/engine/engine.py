@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.engine.distributed import sync_gradients
@@ -60,7 +60,10 @@ class Engine:
         # Captured now: a model host may later add adapters whose parameters belong to other engines.
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         # The adapter this engine trains (a host's model carries several; the active one is this engine's).
-        self.adapter_name: str | None = getattr(model, "active_adapter", None) if self.trainable else None
+        # None with trainable parameters: full fine-tuning, every weight of a plain model trains.
+        self.adapter_name: str | None = (
+            model.active_adapter if isinstance(model, PeftModel) and self.trainable else None
+        )
         self.optimizer: torch.optim.Optimizer | None = None
         self.reset_optimizer()
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -182,19 +185,39 @@ class Engine:
     def adapter_config(self) -> LoraConfig:
         return self.model.peft_config[self._require_adapter()]
 
+    @property
+    def full_fine_tuning(self) -> bool:
+        """Every weight of a plain model trains (no adapter)."""
+        return self.adapter_name is None and bool(self.trainable)
+
     def state_dict(self) -> dict[str, Any]:
         """What training continues from: `adapter` (CPU copies of the weights, keyed as in
-        adapter_model.safetensors) and `optimizer` (a copy of torch's AdamW state dict: training on does not
-        change it, and loading it elsewhere shares no moment tensors with this engine)."""
-        return {
-            "adapter": adapter_weights(self.model, self._require_adapter()),
-            "optimizer": state_as_tensors(copy.deepcopy(self.optimizer.state_dict())),
-        }
+        adapter_model.safetensors; in full fine-tuning the model's trained weights by parameter name) and
+        `optimizer` (a copy of torch's AdamW state dict: training on does not change it, and loading it
+        elsewhere shares no moment tensors with this engine)."""
+        return {"adapter": self.weights(), "optimizer": self.optimizer_state()}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """CPU copies of what trains: the adapter's weights, or in full fine-tuning the model's by name."""
+        if self.full_fine_tuning:
+            return {
+                n: p.detach().to("cpu", copy=True)
+                for n, p in self.model.named_parameters()
+                if p.requires_grad
+            }
+        return adapter_weights(self.model, self._require_adapter())
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """A copy of torch's AdamW state dict, its moments as tensors."""
+        return state_as_tensors(copy.deepcopy(self.optimizer.state_dict()))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state["adapter"]` and, when present, `state["optimizer"]`; without it the optimizer starts
         fresh. Accumulated gradients are dropped either way."""
-        set_adapter_weights(self.model, state["adapter"], adapter_name=self._require_adapter())
+        if self.full_fine_tuning:
+            self._set_model_weights(state["adapter"])
+        else:
+            set_adapter_weights(self.model, state["adapter"], adapter_name=self._require_adapter())
         if state.get("optimizer") is None:
             self.reset_optimizer()
             return
@@ -204,6 +227,20 @@ class Engine:
             self.optimizer.load_state_dict(saved)
         except (ValueError, KeyError) as exc:
             raise GymError(f"the saved optimizer state does not fit this adapter ({exc})") from None
+
+    def _set_model_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Full fine-tuning's weights by parameter name; a tied weight may come under either of its names."""
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        unknown = sorted(set(weights) - set(parameters))
+        if unknown:
+            raise GymError(f"the saved weights do not fit this model (unexpected {unknown[:3]})")
+        loaded = {id(parameters[name]) for name in weights}
+        missing = sorted(n for n, p in parameters.items() if p.requires_grad and id(p) not in loaded)
+        if missing:
+            raise GymError(f"the saved weights do not fit this model (missing {missing[:3]})")
+        with torch.no_grad():
+            for name, value in weights.items():
+                parameters[name].copy_(value)
 
     def reset_optimizer(self) -> None:
         """A fresh optimizer (no moments, step 0) over the adapter; gradients are dropped."""

@@ -24,25 +24,43 @@ from hanzo_gym.errors import GymError
 from hanzo_gym.model.lora import read_adapter, write_adapter
 
 OPTIMIZER_FILE = "optimizer.safetensors"
+MODEL_WEIGHTS = "model.safetensors"  # full fine-tuning: the whole model in one file
+SINGLE_FILE = "10000GB"  # save_pretrained's shard size that keeps any model in MODEL_WEIGHTS
 OPTIMIZER_FORMAT = "hanzo-gym-adamw/1"
 LEGACY_TRAINER_FILE = "training_state.pt"  # gym train before the shared format: {"optimizer": …, rng states}
 LEGACY_CLIENT_FILE = "optimizer.pt"  # the Tinker client before it: the optimizer's state dict alone
 
 
 def save_engine_state(engine: Engine, directory: Path, with_optimizer: bool = True) -> None:
-    state = engine.state_dict()
-    write_adapter(directory, engine.adapter_config, state["adapter"])
+    """The adapter as a PEFT folder, or in full fine-tuning the whole model as transformers saves it (config.json,
+    one model.safetensors: a checkpoint is a model folder from_pretrained loads); then the optimizer."""
+    if engine.full_fine_tuning:
+        engine.model.save_pretrained(str(directory), max_shard_size=SINGLE_FILE)
+    else:
+        write_adapter(directory, engine.adapter_config, engine.weights())
     if with_optimizer:
-        tensors, header = optimizer_to_tensors(state["optimizer"])
+        tensors, header = optimizer_to_tensors(engine.optimizer_state())
         save_file(tensors, str(directory / OPTIMIZER_FILE), metadata=header)
 
 
 def load_engine_state(engine: Engine, directory: Path, with_optimizer: bool = True) -> None:
     """Restore the adapter (and the optimizer, unless `with_optimizer` is False: then it starts fresh). Every
     file is read before the engine changes, so a missing optimizer state leaves the engine as it was."""
-    _, weights = read_adapter(directory)
+    weights = read_model_weights(directory) if engine.full_fine_tuning else read_adapter(directory)[1]
     optimizer = read_optimizer_state(directory) if with_optimizer else None
     engine.load_state_dict({"adapter": weights, "optimizer": optimizer})
+
+
+def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """A full fine-tuning checkpoint's weights (the model.safetensors save_engine_state wrote)."""
+    path = directory / MODEL_WEIGHTS
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise GymError(
+            f"{path}: unreadable ({exc}); the checkpoint is damaged (a copy cut short?): resume from another "
+            "checkpoint or start fresh"
+        ) from None
 
 
 def optimizer_to_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -1,4 +1,6 @@
-"""The run directory: config.json, metrics.jsonl, checkpoints.jsonl, checkpoint folders and the final adapter.
+"""The run directory: run_config.json, metrics.jsonl, checkpoints.jsonl, checkpoint folders and the final adapter
+(or, in full fine-tuning, the final model: its own config.json, model.safetensors and tokenizer, as Axolotl
+writes it, so that from_pretrained(output_dir) loads it).
 
 Files are replaced atomically and a checkpoint folder only gets its final name once everything in it is on disk
 (`hanzo_gym.files`), so a crash never leaves a checkpoint that resume would trust.
@@ -43,13 +45,27 @@ CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"
 STAGING_PREFIX = ".new-run-"
 ADAPTER_MARKER = "adapter_config.json"  # written last: a PEFT folder without it is not an adapter
-# What a run writes at the top level besides its checkpoints (tokenizer files are overwritten, not counted).
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", ADAPTER_MARKER, "adapter_model.safetensors")
+MODEL_MARKER = "model.safetensors"  # full fine-tuning's final model: written last, likewise
+RUN_CONFIG = "run_config.json"  # the resolved config (not config.json: that name is a model's)
+# What a run writes at the top level besides its checkpoints (tokenizer files are overwritten, not counted);
+# config.json is an earlier version's run config, or a full fine-tuning run's model config.
+RUN_FILES = (
+    RUN_CONFIG,
+    "metrics.jsonl",
+    "checkpoints.jsonl",
+    ADAPTER_MARKER,
+    "adapter_model.safetensors",
+    "config.json",
+    "generation_config.json",
+    MODEL_MARKER,
+)
 
 
 class RunDir:
-    def __init__(self, path: str | Path, writer: bool | None = None):
+    def __init__(self, path: str | Path, writer: bool | None = None, full_model: bool = False):
         self.path = Path(path)  # output_dir: where the run's files end up, and what its records name
+        # the file whose arrival completes the final output: the adapter's config, or the full model's weights
+        self.marker = MODEL_MARKER if full_model else ADAPTER_MARKER
         self._home = self.path  # where they are written now: the staging folder while the run is staged
         self.writer = is_main() if writer is None else writer
         # W&B / TensorBoard / MLflow (`loops.trackers`): every metrics row and checkpoint goes to them too
@@ -127,13 +143,13 @@ class RunDir:
         if not self.staged:
             return
         replaced = self.previous_run()
-        swap_in(self._home, self.path, replaced, marker=ADAPTER_MARKER)
+        swap_in(self._home, self.path, replaced, marker=self.marker)
         self._home = self.path
         _say(f"{self.path}: this run replaced the previous run's {', '.join(replaced)}")
 
     def write_config(self, resolved: dict) -> None:
         if self.writer:
-            atomic_write_text(self._home / "config.json", json.dumps(resolved, indent=2) + "\n")
+            atomic_write_text(self._home / RUN_CONFIG, json.dumps(resolved, indent=2) + "\n")
 
     def log(self, row: dict) -> None:
         if not self.writer:
@@ -187,11 +203,11 @@ class RunDir:
         for name in sorted(removed):
             remove_entry(self._home / name)
 
-    def publish_adapter(self, build: Callable[[Path], None]) -> None:
-        """The final adapter at the top level, next to the run files, as Axolotl puts it."""
+    def publish_final(self, build: Callable[[Path], None]) -> None:
+        """The final adapter (or full model) at the top level, next to the run files, as Axolotl puts it."""
         if not self.writer:
             return
-        publish_files_into(build, self._home, marker=ADAPTER_MARKER)
+        publish_files_into(build, self._home, marker=self.marker)
         self.finish()
 
     def latest_checkpoint(self) -> Path | None:

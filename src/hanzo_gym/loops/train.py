@@ -36,6 +36,7 @@ from hanzo_gym.loops.sft import SftResult, train_sft
 from hanzo_gym.loops.tail import check_finite_adapter
 from hanzo_gym.loops.trackers import open_trackers
 from hanzo_gym.model.hub import (
+    Precision,
     base_model_type,
     choose_precision,
     load_causal_lm,
@@ -73,6 +74,12 @@ def build_engine(
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer_factory, fallback_note = build_optimizer_factory(cfg.optimizer, device)
+    if fallback_note and is_main():
+        print(fallback_note, flush=True)
+    if cfg.full_fine_tuning:
+        model.requires_grad_(True)
+        return Engine(model, tokenizer, optimizer_factory=optimizer_factory)
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = cfg.lora_targets
     if cfg.lora_model_dir is not None:
@@ -92,9 +99,6 @@ def build_engine(
             cfg.peft_use_rslora,
             cfg.lora_modules_to_save,
         )
-    optimizer_factory, fallback_note = build_optimizer_factory(cfg.optimizer, device)
-    if fallback_note and is_main():
-        print(fallback_note, flush=True)
     return Engine(peft_model, tokenizer, optimizer_factory=optimizer_factory)
 
 
@@ -174,6 +178,8 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     directory's top level, or into `adapter_dir` (a folder of its own) when given."""
     init_from_env()
     precision = choose_precision(cfg.bf16)
+    if cfg.full_fine_tuning and precision.dtype != torch.float32:  # bf16: auto (true fails at load)
+        precision = Precision(precision.device, torch.float32, "full fine-tuning trains every weight in fp32")
     device, dtype = precision.device, precision.dtype
     if is_main():
         print(precision.describe(), flush=True)  # the run's first line: what it computes in, and why
@@ -196,7 +202,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
         raise GymError(f"no training {what} left after tokenization: see `gym preprocess` for the counts")
     engine = build_engine(cfg, device, dtype, tokenizer)
     broadcast_parameters(engine.trainable)  # every process starts from rank 0's adapter
-    run = RunDir(cfg.output_dir)
+    run = RunDir(cfg.output_dir, full_model=cfg.full_fine_tuning)
     if is_main():
         processes = f", {world_size()} processes" if world_size() > 1 else ""
         print(
@@ -215,7 +221,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
                 flush=True,
             )
 
-    def final(directory: Path) -> None:
+    def final(directory: Path) -> None:  # the adapter, or in full fine-tuning the model
         save_engine_state(engine, directory, with_optimizer=False)
         tokenizer.save_pretrained(str(directory))
 
@@ -230,7 +236,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
             if is_main():
                 publish_directory(final, Path(adapter_dir))
         else:
-            run.publish_adapter(final)
+            run.publish_final(final)
         run.trackers.final(final)  # wandb_log_model: the final adapter as an artifact
         run.trackers.finish()
     except BaseException:
@@ -242,5 +248,6 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
             )
         raise
     if is_main():
-        print(f"wrote adapter to {adapter_dir or run.path}", flush=True)
+        what = "model" if cfg.full_fine_tuning else "adapter"
+        print(f"wrote {what} to {adapter_dir or run.path}", flush=True)
     return result

@@ -1,0 +1,132 @@
+"""Full fine-tuning (issue 13): a config without `adapter`, as Axolotl reads it, trains every weight. One step
+equals plain PyTorch's (transformers' loss, torch's AdamW); the run writes the model where Axolotl does, so
+from_pretrained(output_dir) loads it; a checkpoint resumes to the same weights; what cannot go with it fails
+at load with the reason."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from config_files import write_tiny_run
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hanzo_gym.cli import main
+from hanzo_gym.config import load_config, parse_config
+from hanzo_gym.errors import ConfigError
+from hanzo_gym.loops.train import build_engine
+from hanzo_gym.records import AdamParams, Datum
+
+LORA_KEYS = ("adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_linear")
+TEXTS = ["the cat sat on the mat", "a dog ran far away from home", "one two three four"]
+
+
+def _full_run(tmp_path, base, data, name="run", **overrides):
+    path = write_tiny_run(tmp_path, base, data, name, **overrides)
+    written = __import__("yaml").safe_load(path.read_text())
+    for key in LORA_KEYS:
+        written.pop(key, None)
+    path.write_text(__import__("yaml").safe_dump(written))
+    return path
+
+
+def test_one_step_equals_plain_pytorch(tmp_path, tiny_base, chat_data, qwen3_tokenizer):
+    cfg = load_config(_full_run(tmp_path, tiny_base, chat_data))
+    assert cfg.full_fine_tuning
+    engine = build_engine(cfg, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    reference = copy.deepcopy(engine.model)
+    assert engine.trainable_parameter_count == sum(p.numel() for p in reference.parameters())
+
+    tokens = [qwen3_tokenizer.encode(text) for text in TEXTS]
+    datums = [Datum.from_tokens(t[:-1], target_tokens=t[1:], weights=[1.0] * (len(t) - 1)) for t in tokens]
+    adam = AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
+    out = engine.forward_backward(datums, "cross_entropy")
+    engine.optim_step(adam)
+
+    optimizer = torch.optim.AdamW(
+        reference.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01
+    )
+    total = 0.0
+    for t in tokens:
+        ids = torch.tensor([t])
+        logits = reference(input_ids=ids[:, :-1]).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="sum")
+        loss.backward()
+        total += float(loss)
+    optimizer.step()
+    assert out.loss_sum == pytest.approx(total, rel=1e-5)
+    # AdamW's first step is lr · g / (|g| + eps): where a gradient is near eps (embedding rows of rare tokens),
+    # the two sums' rounding moves that ratio. 1 % of lr bounds it (measured 2.5e-6); a wrong lr, weight decay
+    # or a parameter left out moves weights by about lr.
+    trained = dict(engine.model.named_parameters())
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(trained[name], parameter, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(
+        trained["model.embed_tokens.weight"],
+        dict(AutoModelForCausalLM.from_pretrained(str(tiny_base)).named_parameters())[
+            "model.embed_tokens.weight"
+        ],
+    )
+
+
+def test_a_run_writes_the_model_where_axolotl_does_and_resumes(
+    tmp_path, tiny_base, chat_data, qwen3_tokenizer
+):
+    config = _full_run(tmp_path, tiny_base, chat_data, max_steps=3, save_steps=2)
+    assert main(["train", str(config)]) == 0
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text())["model_type"] == "qwen3"  # the model's own config
+    assert "base_model" in json.loads((run / "run_config.json").read_text())
+    assert not (run / "adapter_config.json").exists()
+    trained = AutoModelForCausalLM.from_pretrained(str(run))
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_base))
+    assert not torch.equal(trained.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert (run / "checkpoint-2" / "model.safetensors").is_file()
+    assert (run / "checkpoint-2" / "optimizer.safetensors").is_file()
+
+    # Killed after its step-2 checkpoint: the run resumes to the same final weights, bit for bit.
+    final = load_file(str(run / "model.safetensors"))
+    (run / "model.safetensors").unlink()
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r).get("step", 0) <= 2))
+    assert main(["train", str(config)]) == 0
+    again = load_file(str(run / "model.safetensors"))
+    assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
+
+
+BASE = {
+    "base_model": "unused",
+    "datasets": [{"path": "d.jsonl", "type": "chat_template"}],
+    "output_dir": "out",
+}
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"load_in_4bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
+        ({"load_in_8bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
+        ({"rl": "orpo", "datasets": [{"path": "d.jsonl", "type": "chat_template.default"}]}, "rl: orpo"),
+        ({"bf16": True}, "trains in fp32 here for now"),
+        ({"lora_r": 16, "lora_target_linear": True}, "lora_r, lora_target_linear: no `adapter` means full"),
+    ],
+)
+def test_what_full_fine_tuning_cannot_go_with_fails_at_load(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({**BASE, **keys}, "run.yaml")
+    assert parse_config({**BASE, "adapter": None}, "run.yaml").full_fine_tuning
+    assert not parse_config(
+        {**BASE, "adapter": "lora", "lora_target_linear": True}, "run.yaml"
+    ).full_fine_tuning
+
+
+def test_merge_and_the_trainjob_entry_say_what_to_do_instead(tmp_path, tiny_base, chat_data):
+    from hanzo_gym.cli.merge import adapter_directory
+    from hanzo_gym.errors import GymError
+
+    cfg = load_config(_full_run(tmp_path, tiny_base, chat_data))
+    with pytest.raises(GymError, match="nothing to merge"):
+        adapter_directory(cfg, None)
