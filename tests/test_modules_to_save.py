@@ -154,3 +154,42 @@ def test_what_cannot_use_the_copies_says_so(tmp_path, tiny_base, chat_data):
     assert main(["train", str(config)]) == 0
     with pytest.raises(ModelError, match="gym merge"):
         ModelHost(str(tiny_base)).load_adapter("trained", tmp_path / "served")
+
+
+def test_a_bf16_base_runs_the_models_own_forward_and_lora_model_dir_continues(
+    tmp_path, tiny_base, chat_data, qwen3_tokenizer
+):
+    """The copies' dtype hooks: the model's own forward (not only the fused path) runs over a bf16 base; and a
+    later run continues from such an adapter with lora_model_dir, its copies included."""
+    cfg = load_config(write_tiny_run(tmp_path, tiny_base, chat_data, lora_modules_to_save=SAVED, bf16=True))
+    engine = build_engine(cfg, torch.device("cpu"), torch.bfloat16, qwen3_tokenizer)
+    tokens = torch.tensor([qwen3_tokenizer.encode(TEXTS[0])])
+    with torch.no_grad():
+        assert torch.isfinite(engine.model(input_ids=tokens).logits).all()
+
+    first = write_tiny_run(
+        tmp_path, tiny_base, chat_data, name="first", lora_modules_to_save=SAVED, max_steps=1
+    )
+    assert main(["train", str(first)]) == 0
+    second = load_config(
+        write_tiny_run(tmp_path, tiny_base, chat_data, name="second", lora_model_dir=str(tmp_path / "first"))
+    )
+    continued = build_engine(second, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    saved = load_file(str(tmp_path / "first" / "adapter_model.safetensors"))
+    start = continued.weights()
+    assert start.keys() == saved.keys() and all(torch.equal(start[k], saved[k]) for k in saved)
+    grpo = {"rl": "grpo", "trl": {"reward_funcs": ["exact_match"]}, "lora_model_dir": str(tmp_path / "first")}
+    with pytest.raises(ModelError, match="GRPO sampler folds only LoRA deltas"):
+        build_engine(
+            load_config(write_tiny_run(tmp_path, tiny_base, chat_data, name="g", **grpo)),
+            torch.device("cpu"),
+            torch.float32,
+        )
+
+
+def test_module_names_match_as_peft_matches_them(tmp_path, tiny_base, chat_data, qwen3_tokenizer):
+    cfg = load_config(
+        write_tiny_run(tmp_path, tiny_base, chat_data, lora_modules_to_save=["model.embed_tokens"])
+    )
+    engine = build_engine(cfg, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    assert any("embed_tokens.modules_to_save" in n for n, _ in engine.model.named_parameters())

@@ -428,6 +428,8 @@ def test_gym_serve_tinker_model_flags_are_checked_before_loading(tmp_path):
         run_serve(str(tmp_path / "never-loaded"), tinker=True, tinker_model_specs=[f"other={tmp_path}/none"])
     with pytest.raises(GymError, match="write NAME=PATH"):
         run_serve(str(tmp_path / "never-loaded"), tinker=True, tinker_model_specs=["no-name"])
+    with pytest.raises(GymError, match="already the served model's"):
+        run_serve(str(tmp_path / "m"), name="served", tinker=True, tinker_model_specs=[f"served={tmp_path}"])
 
 
 def test_rest_client_sees_runs_and_checkpoints_and_the_cookbook_its_renderer(sdk, server):
@@ -477,6 +479,16 @@ def test_rest_client_sees_runs_and_checkpoints_and_the_cookbook_its_renderer(sdk
         rest.get_weights_info_by_tinker_path(sampler_path).result()
     with pytest.raises(tinker.NotFoundError):
         rest.get_training_run("no-such-run").result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.list_checkpoints("no-such-run").result()
+    # A damaged checkpoint marks its run corrupted; the listing still answers, and a bad page is a user error.
+    damaged = server.tinker.runs.root / "damaged-run" / "weights" / "w"
+    damaged.mkdir(parents=True)
+    (damaged / "adapter_config.json").write_text("{not json")
+    listed = {r.training_run_id: r for r in rest.list_training_runs(limit=1000).result().training_runs}
+    assert listed["damaged-run"].corrupted and not listed[run_id].corrupted
+    bad_page = httpx.get(f"{server.base_url}/api/v1/training_runs", params={"limit": "\u00b2"})
+    assert bad_page.status_code == 422 and bad_page.json()["category"] == "user"
 
 
 def test_custom_losses_async_calls_and_clients_side_by_side(sdk, reference, tiny_dir):

@@ -297,7 +297,8 @@ class Engine:
             packed = self._packed_logprobs(datums)[0].split([6, 4])
             alone = [self._packed_logprobs([datum])[0] for datum in datums]
         quantized = any(not p.is_floating_point() for p in self.model.parameters())  # a 4-bit (QLoRA) base
-        tolerance = 1e-3 if self._output_weight.dtype == torch.float32 and not quantized else 5e-2
+        layers = next((p.dtype for p in self._decoder.parameters() if p.is_floating_point()), torch.float32)
+        tolerance = 1e-3 if layers == torch.float32 and not quantized else 5e-2
         return all(torch.allclose(a, b, atol=tolerance, rtol=tolerance) for a, b in zip(packed, alone))
 
     def _passes(self, datums: list[Datum]) -> list[list[Datum]]:

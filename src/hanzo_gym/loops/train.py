@@ -27,7 +27,7 @@ from hanzo_gym.engine.distributed import (
 )
 from hanzo_gym.engine.optimizers import build_optimizer_factory
 from hanzo_gym.engine.state_files import save_engine_state
-from hanzo_gym.errors import GymError
+from hanzo_gym.errors import GymError, ModelError
 from hanzo_gym.files import publish_directory
 from hanzo_gym.loops.grpo import GrpoResult, train_grpo
 from hanzo_gym.loops.preference import PreferenceResult, train_preference
@@ -86,6 +86,11 @@ def build_engine(
         directory = resolve_adapter(cfg.lora_model_dir)
         note = starting_adapter_note(cfg, directory, model)
         peft_model = load_trainable_lora(model, directory, cfg.base_model)
+        if cfg.rl == "grpo" and peft_model.peft_config["default"].modules_to_save:
+            raise ModelError(
+                f"lora_model_dir {directory}: the adapter trains whole modules too (modules_to_save), and the "
+                "GRPO sampler folds only LoRA deltas into its weights; continue it with SFT or DPO"
+            )
         if note and is_main():
             print(note, flush=True)
     else:

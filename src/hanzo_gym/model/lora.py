@@ -72,7 +72,6 @@ def load_trainable_lora(model: PreTrainedModel, directory: str | Path, base_mode
     extras = [
         name
         for name, present in (
-            ("modules_to_save", bool(config.modules_to_save)),
             ("use_dora", bool(config.use_dora)),
             (f"bias: {config.bias}", config.bias != "none"),
         )
@@ -107,17 +106,26 @@ def keep_adapter_fp32(model: torch.nn.Module) -> None:
             if parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != torch.float32:
                 parameter.data = parameter.data.float()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    embeddings = base.get_input_embeddings()
     layer_dtype = next((p.dtype for p in base.get_decoder().parameters() if p.is_floating_point()), None)
-    copies = getattr(embeddings, "modules_to_save", None)
-    if copies is not None and layer_dtype not in (None, torch.float32):
-        for copy in copies.values():
-            copy.register_forward_hook(lambda _module, _inputs, output: output.to(layer_dtype))
+    if layer_dtype in (None, torch.float32):
+        return
+    for wrapper in (base.get_input_embeddings(), base.get_output_embeddings()):
+        for copy in getattr(wrapper, "modules_to_save", {}).values():
+            if getattr(copy, "_gym_dtype_hooks", False):
+                continue
+            copy._gym_dtype_hooks = True
+            if wrapper is base.get_input_embeddings():
+                copy.register_forward_hook(lambda _module, _inputs, output: output.to(layer_dtype))
+            else:  # the output copy takes the layers' hidden states in its own dtype
+                copy.register_forward_pre_hook(
+                    lambda module, inputs: tuple(x.to(module.weight.dtype) for x in inputs)
+                )
 
 
 def _check_modules_exist(model: torch.nn.Module, names: list[str]) -> None:
-    present = {path.rsplit(".", 1)[-1] for path, _ in model.named_modules()}
-    missing = sorted(set(names) - present)
+    paths = [path for path, _ in model.named_modules()]
+    # PEFT's rule: a name matches a module whose path is it or ends in `.name`
+    missing = sorted(n for n in set(names) if not any(p == n or p.endswith(f".{n}") for p in paths))
     if missing:
         raise ModelError(
             f"lora_modules_to_save {missing}: {model.config.model_type} has no module of that name (its "

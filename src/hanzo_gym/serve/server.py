@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlsplit
 
 from hanzo_gym.errors import GymError
 from hanzo_gym.host.model_host import ModelHost
-from hanzo_gym.model.hub import resolve_model
+from hanzo_gym.model.hub import model_key, resolve_model
 from hanzo_gym.serve.api import chat, complete
 from hanzo_gym.serve.models import ServedModels
 from hanzo_gym.serve.protocol import (
@@ -423,6 +423,8 @@ def run_serve(
     if tinker_models and not tinker:
         raise GymError("--tinker-model adds base models to the Tinker API: give --tinker as well")
     for tinker_name, path in tinker_models.items():
+        if tinker_name in (name, model) or model_key(tinker_name) == model_key(model):
+            raise GymError(f"--tinker-model {tinker_name}: that name is already the served model's")
         try:
             resolve_model(path)  # a typo fails now, not at a client's first create_model
         except GymError as exc:

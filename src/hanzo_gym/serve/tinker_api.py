@@ -133,7 +133,7 @@ class TinkerAPI:
         self._futures: dict[str, _Pending] = {}
         self._submits: dict[tuple, dict[str, Any]] = {}  # dedup key → the submit's reply
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tinker-api")
-        self.runs = TrainingRuns(service.root, lambda recorded: self._base_of(recorded).name)
+        self.runs = TrainingRuns(service.root, self._display_name)
 
     def served_names(self) -> list[str]:
         return sorted({base.name for base in self._bases.values()})
@@ -660,6 +660,12 @@ class TinkerAPI:
             )
         return base
 
+    def _display_name(self, recorded: str) -> str:
+        """What clients call a checkpoint's recorded base model: its served name, else the record as it is
+        (never resolved: a listing must not download or convert a model)."""
+        base = self._bases.get(recorded) or self._bases.get(model_key(recorded))
+        return base.name if base is not None else recorded
+
     def _base_of(self, base_model: str) -> _Base:
         """The served base behind a checkpoint's recorded base model (else one named after it)."""
         key = model_key(base_model)
@@ -713,7 +719,7 @@ def _page(query: dict[str, list[str]], default_limit: int) -> tuple[int, int]:
     values = []
     for name, default in (("limit", default_limit), ("offset", 0)):
         text = (query.get(name) or [str(default)])[-1]
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):
             raise DirectError(f"{name}={text!r}: use a whole number >= 0")
         values.append(int(text))
     return values[0], values[1]

@@ -60,10 +60,13 @@ class TrainingRuns:
         self.display_name = display_name
 
     def run(self, run_id: str) -> dict[str, Any]:
+        return self._run_json(run_id, self._known_run(run_id))
+
+    def _known_run(self, run_id: str) -> list[_Checkpoint]:
         checkpoints = self._checkpoints(run_id)
         if not checkpoints:
             raise NotFound(f"no training run {run_id!r} here: it has saved no checkpoint under {self.root}")
-        return self._run_json(run_id, checkpoints)
+        return checkpoints
 
     def runs(self, limit: int, offset: int) -> dict[str, Any]:
         """Newest first, as the hosted service lists them."""
@@ -77,8 +80,7 @@ class TrainingRuns:
         }
 
     def checkpoints(self, run_id: str) -> dict[str, Any]:
-        check_run_id(run_id)
-        return {"checkpoints": [c.as_json() for c in self._checkpoints(run_id)]}
+        return {"checkpoints": [c.as_json() for c in self._known_run(run_id)]}
 
     def all_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
         every = [c for run_id in self._run_ids() for c in self._checkpoints(run_id)]
@@ -112,7 +114,7 @@ class TrainingRuns:
     def _run_ids(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _plain_run_id(p.name))
 
     def _checkpoints(self, run_id: str) -> list[_Checkpoint]:
         """The run's finished checkpoints, oldest first (a folder still being written is not one yet)."""
@@ -142,23 +144,34 @@ class TrainingRuns:
         raise NotFound(f"no checkpoint tinker://{run_id}/{kind}/{name} here")
 
     def _run_json(self, run_id: str, checkpoints: list[_Checkpoint]) -> dict[str, Any]:
+        """A damaged newest checkpoint marks the run `corrupted` rather than failing the listing."""
         newest = checkpoints[-1]
-        config = read_adapter_config(newest.folder)
+        try:
+            config = read_adapter_config(newest.folder)
+        except GymError:
+            config = None
+        recorded = newest.record.get("base_model") or (config and config.base_model_name_or_path) or ""
         last = {kind: next((c for c in reversed(checkpoints) if c.kind == kind), None) for kind in KINDS}
         return {
             "training_run_id": run_id,
-            "base_model": self.display_name(
-                newest.record.get("base_model") or config.base_model_name_or_path
-            ),
+            "base_model": self.display_name(recorded),
             "model_owner": OWNER,
             "is_lora": True,
-            "corrupted": False,
-            "lora_rank": int(config.r),
+            "corrupted": config is None,
+            "lora_rank": int(config.r) if config is not None else None,
             "last_request_time": _iso(newest.modified),
             "last_checkpoint": last["weights"] and last["weights"].as_json(),
             "last_sampler_checkpoint": last["sampler_weights"] and last["sampler_weights"].as_json(),
             "user_metadata": newest.record.get("user_metadata"),
         }
+
+
+def _plain_run_id(name: str) -> bool:
+    try:
+        check_run_id(name)
+    except GymError:
+        return False
+    return not name.startswith(".")
 
 
 def _iso(timestamp: float) -> str:
