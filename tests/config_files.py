@@ -5,8 +5,29 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from hanzo_gym.config import load_config
+from hanzo_gym.config import load_config, parse_config
 from hanzo_gym.errors import ConfigError
+
+# The fewest keys a LoRA SFT config needs, for tests of other keys' rules (nothing is loaded).
+MINIMAL = {
+    "base_model": "unused",
+    "datasets": [{"path": "data.jsonl", "type": "chat_template"}],
+    "output_dir": "out",
+    "adapter": "lora",
+    "lora_target_linear": True,
+}
+
+
+def parse_minimal(**keys):
+    """MINIMAL with `keys` over it, parsed as gym train parses a file."""
+    return parse_config({**MINIMAL, **keys}, "run.yaml")
+
+
+def refusal_of(**keys) -> str:
+    """The ConfigError MINIMAL with `keys` over it fails with."""
+    with pytest.raises(ConfigError) as error:
+        parse_minimal(**keys)
+    return str(error.value)
 
 
 def load_text(tmp_path, text):

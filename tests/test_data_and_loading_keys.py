@@ -6,24 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from config_files import parse_minimal
 
-from hanzo_gym.config import parse_config
 from hanzo_gym.data.dataset import load_examples
 from hanzo_gym.data.preference import load_preferences
 from hanzo_gym.data.prompts import load_prompts
 from hanzo_gym.errors import ConfigError
 
-BASE = {
-    "base_model": "unused",
-    "datasets": [{"path": "data.jsonl", "type": "chat_template"}],
-    "output_dir": "out",
-    "adapter": "lora",
-    "lora_target_linear": True,
-}
-
-
-def _parse(**keys):
-    return parse_config({**BASE, **keys}, "run.yaml")
+_parse = parse_minimal
 
 
 def _write(path, rows):

@@ -128,5 +128,5 @@ def test_special_tokens_take_the_tokenizers_own_tokens_and_refuse_new_ones(tmp_p
         tokenizer.eos_token_id
     }  # completions end with it
     assert main(["train", str(path)]) == 0
-    saved = load_tokenizer(str(tmp_path / "run"))  # the adapter's tokenizer, as serving loads it
+    saved = load_tokenizer(str(tiny_base), tokenizer_config=str(tmp_path / "run"))  # the adapter's tokenizer
     assert saved.eos_token == "<|endoftext|>"

@@ -8,18 +8,18 @@ import random
 
 import pytest
 import torch
-from config_files import write_tiny_run
+from config_files import parse_minimal, refusal_of, write_tiny_run
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from hanzo_gym.cli import main
-from hanzo_gym.config import load_config, parse_config
+from hanzo_gym.config import load_config
 from hanzo_gym.data.batching import epoch_order, length_grouped_order, micro_batches
 from hanzo_gym.data.dataset import load_examples
 from hanzo_gym.data.example import IGNORE_INDEX
 from hanzo_gym.engine import Engine
-from hanzo_gym.errors import ConfigError, ModelError
+from hanzo_gym.errors import ModelError
 from hanzo_gym.loops import sft
 from hanzo_gym.loops.train import build_engine
 from hanzo_gym.model import hub
@@ -38,23 +38,7 @@ def _losses(run_dir, key="loss"):
     return {row["step"]: row[key] for row in _rows(run_dir) if key in row}
 
 
-BASE = {
-    "base_model": "unused",
-    "datasets": [{"path": "data.jsonl", "type": "chat_template"}],
-    "output_dir": "out",
-    "adapter": "lora",
-    "lora_target_linear": True,
-}
-
-
-def _parse(**keys):
-    return parse_config({**BASE, **keys}, "run.yaml")
-
-
-def _refusal(**keys) -> str:
-    with pytest.raises(ConfigError) as error:
-        _parse(**keys)
-    return str(error.value)
+_parse, _refusal = parse_minimal, refusal_of
 
 
 # -- config: the keys load, with their rules --------------------------------------------------------------
