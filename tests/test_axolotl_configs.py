@@ -101,7 +101,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 44, loading
+    assert len(loading) >= 45, loading
 
 
 @pytest.mark.parametrize(
@@ -117,6 +117,7 @@ def test_most_text_model_lora_and_qlora_examples_load():
         "llama-3--lora-1b-deduplicate-dpo.yml",  # dataset_exact_deduplication
         "mistral--dpo--mistral-dpo-qlora.yml",  # DPO on a 4-bit base, lora_modules_to_save embed_tokens, lm_head
         "llama-3--fft-8b.yaml",  # full fine-tuning (no adapter)
+        "qwen2--dpo.yaml",  # full fine-tuning with DPO: the reference scored before the first step
     ],
 )
 def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_changed(

@@ -109,7 +109,7 @@ BASE = {
     [
         ({"load_in_4bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
         ({"load_in_8bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
-        ({"rl": "orpo", "datasets": [{"path": "d.jsonl", "type": "chat_template.default"}]}, "rl: orpo"),
+        ({"rl": "grpo", "trl": {"reward_funcs": ["exact_match"]}}, "rl: grpo is not supported yet"),
         ({"bf16": True}, "trains in fp32 here for now"),
         ({"lora_r": 16, "lora_target_linear": True}, "lora_r, lora_target_linear: no `adapter` means full"),
     ],
@@ -130,3 +130,76 @@ def test_merge_and_the_trainjob_entry_say_what_to_do_instead(tmp_path, tiny_base
     cfg = load_config(_full_run(tmp_path, tiny_base, chat_data))
     with pytest.raises(GymError, match="nothing to merge"):
         adapter_directory(cfg, None)
+
+
+def _pair_file(tmp_path):
+    rows = [
+        {
+            "conversation": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+            "chosen": {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+            "rejected": {"role": "assistant", "content": f"It is {a * b + 7}, I think."},
+        }
+        for a in range(4)
+        for b in range(4)
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _full_dpo(tmp_path, tiny_base, chat_data, **overrides):
+    dataset = {
+        "path": str(_pair_file(tmp_path)),
+        "type": "chat_template.default",
+        "field_messages": "conversation",
+    }
+    keys = {"rl": "dpo", "datasets": [dataset], "sequence_len": 128, "micro_batch_size": 2, "max_steps": 3}
+    return _full_run(
+        tmp_path, tiny_base, chat_data, **{**keys, "save_steps": 2, "learning_rate": 1e-3, **overrides}
+    )
+
+
+def test_full_fine_tuning_dpo_scores_its_reference_before_the_first_step(
+    tmp_path, tiny_base, chat_data, capsys
+):
+    """No adapter to disable: the reference is the starting model, its log-probs computed before the first step
+    (TRL's precompute_ref_log_probs) instead of a second copy in memory. The first step's policy is that model,
+    so its loss is ln 2; the run learns, and a resume (reference scored again from the base, before the
+    checkpoint loads) gives the same final weights."""
+    import math
+
+    config = _full_dpo(tmp_path, tiny_base, chat_data)
+    assert load_config(config).precompute_ref_log_probs
+    assert main(["train", str(config)]) == 0
+    assert "reference log-probs of 16 items" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-5) and losses[-1] < losses[0]
+    final = load_file(str(tmp_path / "run" / "model.safetensors"))
+    (tmp_path / "run" / "model.safetensors").unlink()
+    kept = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in kept if json.loads(line).get("step", 0) <= 2)
+    )
+    assert main(["train", str(config)]) == 0
+    again = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert all(torch.equal(again[k], final[k]) for k in final)
+    with pytest.raises(ConfigError, match="rl: kto is not supported yet"):
+        load_config(
+            _full_dpo(
+                tmp_path,
+                tiny_base,
+                chat_data,
+                rl="kto",
+                datasets=[{"path": "x.jsonl", "type": "llama3.ultra"}],
+            )
+        )
+
+
+def test_full_fine_tuning_orpo_needs_no_reference(tmp_path, tiny_base, chat_data):
+    config = _full_dpo(tmp_path, tiny_base, chat_data, rl="orpo", max_steps=2)
+    assert not load_config(config).precompute_ref_log_probs
+    assert main(["train", str(config)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "run")).config.model_type == "qwen3"

@@ -361,11 +361,18 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                 "no `adapter` means full fine-tuning, which trains every weight: a 4- or 8-bit base cannot "
                 "hold trained weights; set `adapter: qlora` (4-bit) or `adapter: lora` (8-bit)"
             )
-        if self.rl is not None:
-            raise ValueError(
-                f"full fine-tuning (no `adapter`) with rl: {self.rl} is not supported yet: its reference model "
-                "and sampler work on an adapter over the frozen base; set `adapter: lora`"
+        if self.rl in ("grpo", "kto"):
+            why = (
+                "its sampler folds LoRA deltas" if self.rl == "grpo" else "KTO's KL term needs the reference"
             )
+            raise ValueError(
+                f"full fine-tuning (no `adapter`) with rl: {self.rl} is not supported yet ({why} over a frozen "
+                "base); set `adapter: lora`"
+            )
+        if self.rl in ("dpo", "ipo"):
+            # The reference is the starting model: its log-probs are computed before the first step (TRL's
+            # precompute_ref_log_probs), instead of a second copy of the model in memory as TRL keeps.
+            self.precompute_ref_log_probs = True
         if self.bf16 is True:
             raise ValueError(
                 "full fine-tuning (no `adapter`) trains in fp32 here for now (bf16 weights would round small "

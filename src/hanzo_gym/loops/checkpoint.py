@@ -41,7 +41,7 @@ class TrainerPosition:
 
 # Fingerprint keys written only when true, so that checkpoints from before they existed still resume; a
 # checkpoint that has one must still be refused by a run without it.
-_FLAGS_WHEN_SET = frozenset({"load_in_4bit", "load_in_8bit", "peft_use_rslora"})
+_FLAGS_WHEN_SET = frozenset({"load_in_4bit", "load_in_8bit", "peft_use_rslora", "full_fine_tuning"})
 
 
 def adapter_fingerprint(cfg: Config) -> dict:
@@ -55,6 +55,7 @@ def adapter_fingerprint(cfg: Config) -> dict:
         **({"load_in_4bit": True} if cfg.load_in_4bit else {}),
         **({"load_in_8bit": True} if cfg.load_in_8bit else {}),
         **({"peft_use_rslora": True} if cfg.peft_use_rslora else {}),
+        **({"full_fine_tuning": True} if cfg.full_fine_tuning else {}),
     }
 
 

@@ -31,6 +31,7 @@ from hanzo_gym.data.preference import KtoExample, PreferencePair
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine import preference_losses as pl
 from hanzo_gym.engine.distributed import shard, sum_across, world_size
+from hanzo_gym.errors import GymError
 from hanzo_gym.loops.checkpoint import adapter_fingerprint
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import adam_params
@@ -65,14 +66,19 @@ def _method_outputs(cfg: Config) -> tuple[str, ...]:
 
 
 class _Scores:
-    """Summed completion log-probs per item, computed once by `score(indices)` and kept."""
+    """Summed completion log-probs per item, computed once by `score(indices)` and kept. Once `frozen`, every
+    item must be known: full fine-tuning's reference is the starting weights, which only exist before the
+    first step."""
 
     def __init__(self, score):
         self._score = score
         self._known: dict = {}
+        self.frozen = False
 
     def of(self, keys: Sequence, chunk: int | None = None) -> torch.Tensor:
         missing = [key for key in dict.fromkeys(keys) if key not in self._known]
+        if missing and self.frozen:
+            raise GymError(f"reference log-probs of items {missing[:3]} were not computed before training")
         chunk = chunk or max(len(missing), 1)
         for start in range(0, len(missing), chunk):
             batch = missing[start : start + chunk]
@@ -99,7 +105,9 @@ class PairMethod:
 
     def _reference_sums(self, indices: Sequence[int]) -> list[torch.Tensor]:
         pairs = [self.items[i] for i in indices]
-        scored = self.engine.forward([d for p in pairs for d in pair_datums(p)], reference=True)
+        # full fine-tuning has no adapter to disable: its reference is the weights before the first step
+        reference = not self.engine.full_fine_tuning
+        scored = self.engine.forward([d for p in pairs for d in pair_datums(p)], reference=reference)
         return [self._sums(scored[2 * j : 2 * j + 2], [pair])[:, 0] for j, pair in enumerate(pairs)]
 
     @staticmethod
@@ -292,6 +300,8 @@ def train_preference(
         print(
             f"reference log-probs of {len(train) + len(val)} items in {time.perf_counter() - started:.1f} s"
         )
+        if engine.full_fine_tuning:  # scored with the starting weights: nothing may be scored after a step
+            method.reference.frozen = held_out.reference.frozen = True
     total, epochs = planned_steps(cfg, len(_windows(cfg, len(train), 0)))  # max_steps: as long as it says
     tail = LoopTail(
         engine,
