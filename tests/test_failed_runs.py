@@ -119,11 +119,11 @@ def test_a_reward_that_raises_at_step_1_leaves_the_finished_run_intact(
     )
     assert "reward_that_raises.py:2" in line and "fix the reward function" in line
     assert "stay until this run has its first checkpoint" in out and "holds the previous run" in out
-    assert _snapshot(tmp_path / "run") == before  # metrics, checkpoints, config.json and adapter
+    assert _snapshot(tmp_path / "run") == before  # metrics, checkpoints, run_config.json and adapter
     assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]
 
 
-def test_a_refused_resume_leaves_config_json_as_it_was(tmp_path, tiny_word_base, prompts, capsys):
+def test_a_refused_resume_leaves_run_config_json_as_it_was(tmp_path, tiny_word_base, prompts, capsys):
     before = _finished_run(tmp_path, tiny_word_base, prompts, capsys)
     other = _grpo(tmp_path, tiny_word_base, prompts, lora_r=4, resume_from_checkpoint=True)
     assert main(["train", str(other)]) == 2

@@ -157,31 +157,32 @@ QUICK_START_REWARDS = {
 }
 
 
+def _rewards_module_run(tmp_path, base, monkeypatch, source: str, rows: list[dict], dataset_type: str):
+    """A two-step GRPO config with the quick start's reward keys, `source` as rewards.py in the working
+    directory (imported afresh) and `rows` as its dataset of `dataset_type`."""
+    (tmp_path / "rewards.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory the import adds goes again after
+    monkeypatch.delitem(sys.modules, "rewards", raising=False)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    datasets = [{"path": str(data), "type": dataset_type}]
+    return _config(tmp_path, base, data, datasets=datasets, max_steps=2, trl=QUICK_START_REWARDS)
+
+
 def test_axolotls_reward_module_by_dotted_path_trains_on_chat_prompts(tmp_path, tiny_word_base, monkeypatch):
     """Axolotl's GRPO quick start: `reward_funcs: [rewards.accuracy_reward, rewards.format_reward]` from a
     rewards.py in the working directory, with reward_weights, on chat prompts with an `answer` column."""
-    (tmp_path / "rewards.py").write_text(
+    rewards = (
         "def accuracy_reward(completions, answer, **kwargs):\n"
         "    return [1.0 if c[0]['content'].split()[-1:] == [a] else 0.0 for c, a in zip(completions, answer)]\n"
         "def format_reward(completions, **kwargs):\n"
         "    return [float('four' in c[0]['content']) for c in completions]\n"
     )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory the import adds goes again after
-    monkeypatch.delitem(sys.modules, "rewards", raising=False)
-    data = tmp_path / "chats.jsonl"
     rows = [
         {"messages": [{"role": "user", "content": w}], "answer": "four"} for w in ("one two", "five six") * 4
     ]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = _config(
-        tmp_path,
-        tiny_word_base,
-        data,
-        datasets=[{"path": str(data), "type": "chat_template"}],
-        max_steps=2,
-        trl=QUICK_START_REWARDS,
-    )
+    config = _rewards_module_run(tmp_path, tiny_word_base, monkeypatch, rewards, rows, "chat_template")
     assert main(["train", str(config)]) == 0
     rows = [row for row in _rows(tmp_path / "run") if "reward" in row]
     assert rows and all(
@@ -231,20 +232,9 @@ def test_axolotls_grpo_quick_start_transform_and_rewards_train(tmp_path, tiny_wo
     from hanzo_gym.data.prompts import load_prompts
     from hanzo_gym.model.hub import load_tokenizer
 
-    (tmp_path / "rewards.py").write_text(DOCS_REWARDS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory the import adds goes again after
-    monkeypatch.delitem(sys.modules, "rewards", raising=False)
-    data = tmp_path / "gsm8k.jsonl"
     rows = [{"question": f"one two {n}", "answer": f"Sum it.\n#### {n},000"} for n in range(6)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = _config(
-        tmp_path,
-        tiny_word_base,
-        data,
-        datasets=[{"path": str(data), "type": "rewards.prompt_transform"}],
-        max_steps=2,
-        trl=QUICK_START_REWARDS,
+    config = _rewards_module_run(
+        tmp_path, tiny_word_base, monkeypatch, DOCS_REWARDS, rows, "rewards.prompt_transform"
     )
     cfg = load_config(config)
     prompts = load_prompts(cfg, load_tokenizer(cfg.base_model)).train

@@ -9,7 +9,7 @@ What lands in OUTPUT_DIR (what the broker's deploy step serves):
 
     OUTPUT_DIR/              the merged model: config.json, model*.safetensors, tokenizer files
     OUTPUT_DIR/adapter/      the PEFT adapter (adapter_config.json, adapter_model.safetensors, tokenizer)
-    OUTPUT_DIR/run/          the run directory: config.json (the resolved config), metrics.jsonl, …
+    OUTPUT_DIR/run/          the run directory: run_config.json (the resolved config), metrics.jsonl, …
 
 With MERGE=false only adapter/ and run/ are written. Under torchrun only rank 0 writes.
 

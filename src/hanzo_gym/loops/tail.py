@@ -145,7 +145,7 @@ class LoopTail:
         self.engine, self.cfg, self.run, self.plan, self.total = engine, cfg, run, plan, total
         self._evaluate, self._row, self._line = evaluate, row, line
         self.position = starting_position(engine, run, plan, resume_from)
-        # Only now, with a checkpoint to resume from accepted: a refused resume leaves config.json as it was.
+        # Only now, with a checkpoint to resume from accepted: a refused resume leaves run_config.json as it was.
         run.write_config(cfg.model_dump(mode="json"))
         self.step = self.position.step
         self.window = StepWindow.restore(self.position.log_window)

@@ -100,7 +100,8 @@ def load_trainable_lora(model: PreTrainedModel, directory: str | Path, base_mode
 def keep_adapter_fp32(model: torch.nn.Module) -> None:
     """Every trainable (adapter) parameter in fp32, whatever the base's dtype: a bf16 adapter would round each
     small update away (bf16 keeps 8 significant bits) and AdamW's moments, made like the parameters, with it.
-    A trained copy of the input embeddings (modules_to_save) then hands the layers above it their own dtype."""
+    Over a bf16 base, trained copies of the embeddings and the output layer (modules_to_save) are hooked so
+    that the layers get their own dtype from the input copy and the output copy gets its own from them."""
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != torch.float32:
