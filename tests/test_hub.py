@@ -320,3 +320,66 @@ def test_real_gguf_tokenizer_keeps_chatml_template_and_special_tokens(real):
     assert tokenizer.pad_token is not None
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert "<|im_start|>user\nhi<|im_end|>" in prompt
+
+
+# ---- revision_of_model -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_revisions(hub_cache, tiny_llama_dir, tmp_path) -> dict[str, Path]:
+    """owner/name cached at two commits: `main` (two layers) and the branch `v2` (one layer)."""
+    repo_cache = hub_cache / "models--owner--name"
+    shas = {
+        "main": "0123456789abcdef0123456789abcdef01234567",
+        "v2": "89abcdef0123456789abcdef0123456789abcdef",
+    }
+    shutil.copytree(tiny_llama_dir, repo_cache / "snapshots" / shas["main"])
+    save_tiny_model(repo_cache / "snapshots" / shas["v2"], LlamaConfig(**{**TINY, "num_hidden_layers": 1}))
+    (repo_cache / "refs").mkdir()
+    for ref, sha in shas.items():
+        (repo_cache / "refs" / ref).write_text(sha)
+    return {ref: repo_cache / "snapshots" / sha for ref, sha in shas.items()} | {"v2 commit": shas["v2"]}
+
+
+def test_revision_of_model_picks_that_revision_of_a_hub_repo(two_revisions, offline, tiny_llama_dir):
+    assert hub.resolve_model("owner/name") == two_revisions["main"]
+    assert hub.resolve_model("owner/name", revision="v2") == two_revisions["v2"]
+    assert hub.resolve_model("owner/name", revision=two_revisions["v2 commit"]) == two_revisions["v2"]
+    assert hub.load_causal_lm("owner/name", torch.float32, revision="v2").config.num_hidden_layers == 1
+    assert hub.load_causal_lm("owner/name", torch.float32).config.num_hidden_layers == 2
+    with pytest.raises(ModelError, match=r"hub repo at revision `v3` is not in the local cache"):
+        hub.resolve_model("owner/name", revision="v3")
+    with pytest.raises(ModelError, match=r"revision_of_model `v2` picks a revision of a hub repo, but base_model .* "
+                       r"is a local directory"):  # fmt: skip
+        hub.resolve_model(str(tiny_llama_dir), revision="v2")
+
+
+def test_a_run_on_a_revision_trains_it_and_records_it(two_revisions, offline, tmp_path, capsys):
+    from hanzo_gym.cli import main
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(f'{{"text": "w{i} w{i + 1} w{i + 2} w{i + 3}"}}\n' for i in range(8)))
+    cfg = {
+        "base_model": "owner/name", "revision_of_model": "v2", "datasets": [{"path": str(data), "type": "completion"}],
+        "val_set_size": 0, "output_dir": str(tmp_path / "run"), "sequence_len": 16, "adapter": "lora", "lora_r": 2,
+        "lora_alpha": 4, "lora_target_linear": True, "micro_batch_size": 4, "max_steps": 2, "bf16": False,
+        "save_steps": 1,
+    }  # fmt: skip
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(cfg))
+    assert main(["train", str(path)]) == 0
+    adapter = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "owner/name" and adapter["revision"] == "v2"
+    assert {name.split(".")[4] for name in _adapter_keys(tmp_path / "run")} == {"0"}  # v2's one layer
+    path.write_text(
+        json.dumps({**cfg, "revision_of_model": None, "max_steps": 3, "resume_from_checkpoint": True})
+    )
+    assert main(["train", str(path)]) == 2
+    assert "settings differ from the checkpoint's (revision_of_model: v2 → None)" in capsys.readouterr().err
+
+
+def _adapter_keys(run: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(run / "adapter_model.safetensors"), "pt") as weights:
+        return list(weights.keys())

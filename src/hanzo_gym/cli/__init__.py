@@ -26,14 +26,10 @@ def _train(args: argparse.Namespace) -> None:
 def _preprocess(args: argparse.Namespace) -> None:
     from hanzo_gym.config import load_config
     from hanzo_gym.data.dataset import format_stats
-    from hanzo_gym.loops.train import load_run_data
-    from hanzo_gym.model.hub import load_tokenizer
+    from hanzo_gym.loops.train import load_run_data, load_run_tokenizer
 
     cfg = load_config(args.config)
-    tokenizer = load_tokenizer(
-        cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles, cfg.trust_remote_code
-    )
-    data, what = load_run_data(cfg, tokenizer)
+    data, what = load_run_data(cfg, load_run_tokenizer(cfg))
     if cfg.rl == "grpo":
         print(f"{len(data.train)} train and {len(data.val)} validation {what}")
     else:

@@ -11,7 +11,8 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from hanzo_gym.config import Config
 from hanzo_gym.errors import GymError
 from hanzo_gym.files import publish_directory
-from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, resolve_model
+from hanzo_gym.loops.train import load_run_tokenizer
+from hanzo_gym.model.hub import load_causal_lm, resolve_model
 from hanzo_gym.model.lora import merged_model
 
 
@@ -34,7 +35,8 @@ def merged_from(cfg: Config, adapter_dir: str | Path) -> tuple[PreTrainedModel, 
     dtype = (
         getattr(
             AutoConfig.from_pretrained(
-                resolve_model(cfg.base_model, cfg.trust_remote_code), trust_remote_code=cfg.trust_remote_code
+                resolve_model(cfg.base_model, cfg.trust_remote_code, cfg.revision_of_model),
+                trust_remote_code=cfg.trust_remote_code,
             ),
             "dtype",
             None,
@@ -42,11 +44,11 @@ def merged_from(cfg: Config, adapter_dir: str | Path) -> tuple[PreTrainedModel, 
         or torch.float32
     )
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
-    base = load_causal_lm(cfg.base_model, dtype, trust_remote_code=cfg.trust_remote_code)
-    model = merged_model(PeftModel.from_pretrained(base, str(adapter_dir)))
-    return model, load_tokenizer(
-        cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles, cfg.trust_remote_code
+    base = load_causal_lm(
+        cfg.base_model, dtype, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision_of_model
     )
+    model = merged_model(PeftModel.from_pretrained(base, str(adapter_dir)))
+    return model, load_run_tokenizer(cfg)
 
 
 def merge_run(cfg: Config, out: str | None = None, checkpoint: str | None = None) -> Path:

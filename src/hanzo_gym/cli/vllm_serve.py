@@ -64,7 +64,9 @@ def run_vllm_serve(cfg: Config, dry_run: bool = False) -> None:
     from hanzo_gym.model.hub import choose_precision, resolve_model
 
     dtype = str(choose_precision(cfg.bf16).dtype).removeprefix("torch.")
-    command = vllm_serve_command(cfg, resolve_model(cfg.base_model, cfg.trust_remote_code), dtype)
+    command = vllm_serve_command(
+        cfg, resolve_model(cfg.base_model, cfg.trust_remote_code, cfg.revision_of_model), dtype
+    )
     print(" ".join(command), flush=True)
     if dry_run:
         return

@@ -103,7 +103,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("save_strategy", "HF's checkpoint strategy"),
             ("eval_strategy", "HF's evaluation strategy"),
             ("evaluation_strategy", "HF's evaluation strategy"),
-            ("revision_of_model", "a revision (branch, tag or commit) of base_model"),
             ("model_quantization_config", "a quantization config class for the base model"),
             ("model_quantization_config_kwargs", "the base model's quantization settings"),
             ("model_config", "overrides of the model's config"),

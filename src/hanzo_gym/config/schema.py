@@ -196,6 +196,7 @@ class CheckpointingKwargs(_Strict):
 # The mixins' keys sit at the top level, as in Axolotl: config/preference_keys.py, tracking.py, kernel_keys.py.
 class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     base_model: str
+    revision_of_model: str | None = None  # a branch, tag or commit of a hub base_model
     trust_remote_code: bool = False  # let transformers run the model repository's own Python code
     tokenizer_config: str | None = None
     special_tokens: SpecialTokens | None = None

@@ -39,9 +39,10 @@ class TrainerPosition:
     )  # the partly filled logging window, so rows match a straight run
 
 
-# Fingerprint keys written only when true, so that checkpoints from before they existed still resume; a
+# Fingerprint keys written only when set, so that checkpoints from before they existed still resume; a
 # checkpoint that has one must still be refused by a run without it.
 _FLAGS_WHEN_SET = frozenset({"load_in_4bit", "load_in_8bit", "peft_use_rslora", "full_fine_tuning"})
+_WRITTEN_WHEN_SET = _FLAGS_WHEN_SET | {"revision_of_model"}
 
 
 def adapter_fingerprint(cfg: Config) -> dict:
@@ -56,6 +57,7 @@ def adapter_fingerprint(cfg: Config) -> dict:
         **({"load_in_8bit": True} if cfg.load_in_8bit else {}),
         **({"peft_use_rslora": True} if cfg.peft_use_rslora else {}),
         **({"full_fine_tuning": True} if cfg.full_fine_tuning else {}),
+        **({"revision_of_model": cfg.revision_of_model} if cfg.revision_of_model else {}),
     }
 
 
@@ -74,7 +76,7 @@ def read_checkpoint(directory: Path, engine: Engine, plan: dict) -> TrainerPosit
             f"{directory} is not a complete checkpoint (no {TRAINER_STATE}); pick another or start fresh"
         )
     position = _read_position(state_file)
-    compared = [*plan, *sorted((_FLAGS_WHEN_SET & position.plan.keys()) - plan.keys())]
+    compared = [*plan, *sorted((_WRITTEN_WHEN_SET & position.plan.keys()) - plan.keys())]
 
     def value(fingerprint: dict, key: str) -> object:
         return fingerprint.get(key, False if key in _FLAGS_WHEN_SET else None)

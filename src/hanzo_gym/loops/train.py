@@ -62,6 +62,7 @@ def build_engine(
         device=device,
         attn_implementation=attention,
         trust_remote_code=cfg.trust_remote_code,
+        revision=cfg.revision_of_model,
     )
     check_loader_class("model_type", cfg.model_type, model, cfg.base_model)
     if cfg.load_in_4bit or cfg.load_in_8bit:
@@ -104,6 +105,10 @@ def build_engine(
             cfg.peft_use_rslora,
             cfg.lora_modules_to_save,
         )
+    if (
+        cfg.revision_of_model
+    ):  # adapter_config.json's `revision`: the base it was trained on, as PEFT records it
+        peft_model.peft_config["default"].revision = cfg.revision_of_model
     return Engine(peft_model, tokenizer, optimizer_factory=optimizer_factory)
 
 
@@ -156,11 +161,22 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
     return Path(wanted)  # the config checked that it is a directory
 
 
+def load_run_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
+    """The tokenizer the config names (tokenizer_config, or base_model's at revision_of_model), special_tokens set."""
+    return load_tokenizer(
+        cfg.base_model,
+        cfg.tokenizer_config,
+        cfg.special_token_roles,
+        cfg.trust_remote_code,
+        cfg.revision_of_model,
+    )
+
+
 def load_run_data(cfg: Config, tokenizer: PreTrainedTokenizerBase, write: bool = True) -> tuple[Any, str]:
     """The run's tokenized data (SFT examples, preference pairs or GRPO prompts) and what its items are called;
     read from or saved to `dataset_prepared_path` when that is set (saved only where `write`)."""
     if cfg.chat_template in FAMILY_TEMPLATES:  # only then does the model's type matter
-        model_type = base_model_type(cfg.base_model, cfg.trust_remote_code)
+        model_type = base_model_type(cfg.base_model, cfg.trust_remote_code, cfg.revision_of_model)
         check_template_family(cfg.chat_template, model_type, cfg.base_model)
     if cfg.rl == "grpo":
         load, what = load_prompts, "prompts"
@@ -188,9 +204,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     device, dtype = precision.device, precision.dtype
     if is_main():
         print(precision.describe(), flush=True)  # the run's first line: what it computes in, and why
-    tokenizer = load_tokenizer(
-        cfg.base_model, cfg.tokenizer_config, cfg.special_token_roles, cfg.trust_remote_code
-    )
+    tokenizer = load_run_tokenizer(cfg)
     check_loader_class(
         "tokenizer_type", cfg.tokenizer_type, tokenizer, cfg.tokenizer_config or cfg.base_model
     )

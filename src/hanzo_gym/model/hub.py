@@ -163,19 +163,24 @@ def real_model_gguf() -> Path:
     )
 
 
-def resolve_model(base_model: str, trust_remote_code: bool = False) -> Path:
+def resolve_model(base_model: str, trust_remote_code: bool = False, revision: str | None = None) -> Path:
     """Return a local Hugging Face model directory (config.json + safetensors + tokenizer files)
     for base_model: the directory itself, the de-quantised cache entry of a .gguf file, or a hub snapshot
-    (with the repository's Python files when `trust_remote_code`)."""
+    (with the repository's Python files when `trust_remote_code`) of `revision` (Axolotl's
+    `revision_of_model`: a branch, tag or commit; the default branch when None)."""
     patterns = [*MODEL_PATTERNS, *REMOTE_CODE_PATTERNS] if trust_remote_code else MODEL_PATTERNS
-    model_dir = _resolve(base_model, required_files=("config.json",), hub_patterns=patterns)
+    model_dir = _resolve(
+        base_model, required_files=("config.json",), hub_patterns=patterns, revision=revision
+    )
     _read_model_config(base_model, model_dir)  # before transformers reads it and fails with a traceback
     return model_dir
 
 
-def base_model_type(base_model: str, trust_remote_code: bool = False) -> str | None:
+def base_model_type(
+    base_model: str, trust_remote_code: bool = False, revision: str | None = None
+) -> str | None:
     """config.json's `model_type` of base_model (`qwen3`, `gemma3_text`, …)."""
-    model_type = _read_model_config(base_model, resolve_model(base_model, trust_remote_code)).get(
+    model_type = _read_model_config(base_model, resolve_model(base_model, trust_remote_code, revision)).get(
         "model_type"
     )
     return model_type if isinstance(model_type, str) else None
@@ -200,12 +205,14 @@ def load_tokenizer(
     tokenizer_config: str | None = None,
     special_tokens: dict[str, str] | None = None,
     trust_remote_code: bool = False,
+    revision: str | None = None,
 ) -> transformers.PreTrainedTokenizerBase:
     """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from base_model, with
     Axolotl's `special_tokens` (role → token text, e.g. {"eos_token": "<|eot_id|>"}) set. `trust_remote_code`
-    lets a tokenizer class defined in the repository's own Python files load (transformers runs that code)."""
-    if tokenizer_config is None:
-        source, name = resolve_model(base_model, trust_remote_code), base_model
+    lets a tokenizer class defined in the repository's own Python files load (transformers runs that code).
+    `revision` is base_model's (`revision_of_model`), so it applies where the tokenizer is base_model's own."""
+    if tokenizer_config is None or tokenizer_config == base_model:
+        source, name = resolve_model(base_model, trust_remote_code, revision), base_model
     else:
         patterns = [*TOKENIZER_PATTERNS, *REMOTE_CODE_PATTERNS] if trust_remote_code else TOKENIZER_PATTERNS
         source = _resolve(tokenizer_config, required_files=TOKENIZER_FILES, hub_patterns=patterns)
@@ -242,14 +249,16 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     load_in_8bit: bool = False,
+    revision: str | None = None,
 ) -> transformers.PreTrainedModel:
     """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
     linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; with `load_in_8bit`
     they are bitsandbytes' LLM.int8() layers (int8 weights, outlier features in 16 bits); the output layer
     stays in `dtype`. `attn_implementation` picks transformers' attention kernel (its default, sdpa, when None).
     `trust_remote_code` (Axolotl's key, passed to from_pretrained as Axolotl does) lets a model whose
-    config.json maps AutoModelForCausalLM to the repository's own Python code load: transformers runs it."""
-    model_dir = resolve_model(base_model, trust_remote_code)
+    config.json maps AutoModelForCausalLM to the repository's own Python code load: transformers runs it.
+    `revision` picks a branch, tag or commit of a hub base_model (`revision_of_model`)."""
+    model_dir = resolve_model(base_model, trust_remote_code, revision)
     _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
     placement: dict = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if trust_remote_code:
@@ -371,8 +380,16 @@ def resolve_adapter(name: str) -> Path:
         raise ModelError(str(error).replace("base_model", "lora_model_dir")) from None
 
 
-def _resolve(name: str, required_files: tuple[str, ...], hub_patterns: list[str]) -> Path:
+def _resolve(
+    name: str, required_files: tuple[str, ...], hub_patterns: list[str], revision: str | None = None
+) -> Path:
     path = Path(name).expanduser()
+    if revision is not None and path.exists():
+        raise ModelError(
+            f"revision_of_model `{revision}` picks a revision of a hub repo, but base_model `{name}` is a local "
+            f"{'directory' if path.is_dir() else 'file'}: check that revision out into it and drop "
+            "revision_of_model, or name the hub repo"
+        )
     if path.is_dir():
         if not any((path / file).is_file() for file in required_files):
             raise ModelError(
@@ -386,14 +403,15 @@ def _resolve(name: str, required_files: tuple[str, ...], hub_patterns: list[str]
         return _gguf_as_hf_dir(path.resolve())
     if name.startswith(("/", "./", "../", "~")) or name.lower().endswith(".gguf"):
         raise ModelError(f"`{name}`: no such file or directory; check the path")
-    return _hub_snapshot(name, hub_patterns)
+    return _hub_snapshot(name, hub_patterns, revision)
 
 
-def _hub_snapshot(repo_id: str, patterns: list[str]) -> Path:
+def _hub_snapshot(repo_id: str, patterns: list[str], revision: str | None = None) -> Path:
     # Cache first, so a repo downloaded once keeps working offline without touching the network.
+    where = {"allow_patterns": patterns, "revision": revision}
+    at = f" at revision `{revision}`" if revision else ""
     try:
-        snapshot = huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
-        return Path(snapshot)
+        return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True, **where))
     except HFValidationError as error:
         raise ModelError(
             f"`{repo_id}` is not an existing local path nor a valid hub repo id (owner/name): {error}"
@@ -401,10 +419,10 @@ def _hub_snapshot(repo_id: str, patterns: list[str]) -> Path:
     except LocalEntryNotFoundError:  # also IncompleteSnapshotError: let the download complete it
         pass
     try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(huggingface_hub.snapshot_download(repo_id, **where))
     except LocalEntryNotFoundError as error:  # HF_HUB_OFFLINE=1, or the hub unreachable, and not cached
         raise ModelError(
-            f"base_model `{repo_id}` is not a local directory or .gguf file, and the hub repo is not in the "
+            f"base_model `{repo_id}` is not a local directory or .gguf file, and the hub repo{at} is not in the "
             "local cache (HF_HUB_OFFLINE=1 / no network): download it first or point base_model at a local "
             "directory"
         ) from error
@@ -414,7 +432,9 @@ def _hub_snapshot(repo_id: str, patterns: list[str]) -> Path:
             "the hub and log in (`hf auth login`), or point base_model at a local directory"
         ) from error
     except RevisionNotFoundError as error:
-        raise ModelError(f"hub repo `{repo_id}` has no `main` revision: {error}") from error
+        raise ModelError(
+            f"hub repo `{repo_id}` has no revision `{revision or 'main'}` (branch, tag or commit): {error}"
+        ) from error
     except (HfHubHTTPError, httpx2.TransportError) as error:  # hub error or connection lost mid-download
         raise ModelError(
             f"downloading hub repo `{repo_id}` failed: {error}. Retry, or download it first and point "

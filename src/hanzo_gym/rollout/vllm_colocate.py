@@ -54,7 +54,7 @@ class ColocatedVllmSampler(VllmSampler):
             context, cfg.sequence_len + cfg.trl.max_completion_length
         )
         options = {
-            "model": str(resolve_model(cfg.base_model, cfg.trust_remote_code)),
+            "model": str(resolve_model(cfg.base_model, cfg.trust_remote_code, cfg.revision_of_model)),
             "trust_remote_code": cfg.trust_remote_code,
             "dtype": DTYPE_NAMES[self._dtype],
             "seed": cfg.seed,
