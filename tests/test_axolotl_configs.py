@@ -101,7 +101,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 45, loading
+    assert len(loading) >= 50, loading
 
 
 @pytest.mark.parametrize(
@@ -118,6 +118,7 @@ def test_most_text_model_lora_and_qlora_examples_load():
         "mistral--dpo--mistral-dpo-qlora.yml",  # DPO on a 4-bit base, lora_modules_to_save embed_tokens, lm_head
         "llama-3--fft-8b.yaml",  # full fine-tuning (no adapter)
         "qwen2--dpo.yaml",  # full fine-tuning with DPO: the reference scored before the first step
+        "qwen3--8b-lora-fused-attn.yaml",  # Axolotl's fused RMSNorm + RoPE kernel, the old flash_attention key
     ],
 )
 def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_changed(
@@ -131,6 +132,7 @@ def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_ch
         data.pop("chat_template")
     # the tiny model: a rank it has room for, two short steps
     data.update(max_steps=2, val_set_size=0, bf16=False, micro_batch_size=2, gradient_accumulation_steps=1)
+    data.update(logging_steps=1)
     if data.get("adapter"):
         data["lora_r"] = 8
     data.update(gradient_checkpointing=False, evals_per_epoch=None, saves_per_epoch=None, sequence_len=128)

@@ -45,9 +45,43 @@ def test_speed_only_plugins_and_their_keys_load_and_say_what_runs_instead(tmp_pa
     assert kernel_notes(load_text(tmp_path, BASE)) == []
 
 
+def test_axolotls_attention_and_mlp_kernels_load_and_say_what_runs_instead(tmp_path):
+    cfg = load_text(tmp_path, BASE + "fused_attn_kernel: true\ngemma4_hybrid_attn_impl: true\n")
+    fused, hybrid = kernel_notes(cfg)
+    assert fused.startswith("fused_attn_kernel: fused kernels are not applied") and "same function" in fused
+    assert hybrid.startswith("gemma4_hybrid_attn_impl: every layer runs sdpa")
+    full = load_text(
+        tmp_path, BASE.replace("adapter: lora\nlora_target_linear: true\n", "flash_attn_fuse_mlp: true\n")
+    )
+    assert kernel_notes(full)[0].startswith("flash_attn_fuse_mlp: fused kernels are not applied")
+
+
+def test_gemma4_hybrid_attention_loads_sdpa_for_every_layer(tmp_path, tiny_base, chat_data, capsys):
+    import torch
+
+    from hanzo_gym.config import load_config
+    from hanzo_gym.loops.train import build_engine
+
+    config = write_tiny_run(
+        tmp_path, tiny_base, chat_data, attn_implementation="flash_attention_2", gemma4_hybrid_attn_impl=True
+    )
+    engine = build_engine(load_config(config), torch.device("cpu"), torch.float32)
+    assert engine.model.get_base_model().config._attn_implementation == "sdpa"
+    printed = capsys.readouterr().out
+    assert "gemma4_hybrid_attn_impl: every layer runs sdpa" in printed and "CUDA only" not in printed
+
+
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
+        (
+            "flash_attn_fuse_mlp: true\n",
+            "which a LoRA adapter cannot target (Axolotl refuses it with `adapter: lora`",
+        ),
+        (
+            "gemma4_hybrid_attn_impl: true\nattn_implementation: eager\n",
+            "Axolotl requires `attn_implementation: flash_attention_2` with it, not eager",
+        ),
         ("liger_rms_norm: true\n", "`liger_rms_norm` is an option of Axolotl's plugin"),
         ("cut_cross_entropy: true\n", "`cut_cross_entropy` is an option of Axolotl's plugin"),
         (

@@ -1,6 +1,7 @@
 """Axolotl's kernel keys and plugins that change how fast a step runs or how much memory it holds, never what
-it computes: Cut Cross Entropy, Liger's fused kernels, Axolotl's LoRA kernels and the Hugging Face kernels
-plugin (MoE grouped GEMMs). hanzo-gym runs the model's own PyTorch modules and its chunked loss instead, which
+it computes: Cut Cross Entropy, Liger's fused kernels, Axolotl's LoRA kernels, its fused RMSNorm + RoPE
+attention kernel, xFormers' fused SwiGLU MLP, Gemma 4's per-layer mix of attention kernels and the Hugging Face
+kernels plugin (MoE grouped GEMMs). hanzo-gym runs the model's own PyTorch modules and its chunked loss instead, which
 compute the same function, so a config that asks for them trains as written; the run's first lines say, once
 per group, what runs in their place (`kernel_notes`). This is the rule the optimizers follow (a fused or 8-bit
 AdamW falls back to plain AdamW, the same update rule). A plugin or key that changes the result (a loss of
@@ -66,10 +67,26 @@ class KernelKeys(BaseModel):
     use_kernels: bool | None = None
     use_scattermoe: bool | None = None
     use_sonicmoe: bool | None = None
+    fused_attn_kernel: bool | None = None  # Axolotl's Triton RMSNorm + RoPE kernel (Qwen3 families)
+    flash_attn_fuse_mlp: bool | None = None  # xFormers' fused SwiGLU in place of the MLP
+    gemma4_hybrid_attn_impl: bool | None = (
+        None  # FlashAttention on Gemma 4's sliding layers, sdpa on its global
+    )
 
 
-def check_kernel_keys(cfg: KernelKeys) -> None:
-    """ValueError with the sentence to show."""
+def check_kernel_keys(cfg: KernelKeys, adapter: str | None, attn_implementation: str | None) -> None:
+    """ValueError with the sentence to show. Axolotl's own refusals of these keys are kept, so that a config
+    that loads here loads there."""
+    if cfg.flash_attn_fuse_mlp and adapter:
+        raise ValueError(
+            f"flash_attn_fuse_mlp fuses the MLP's linear layers into one, which a LoRA adapter cannot target "
+            f"(Axolotl refuses it with `adapter: {adapter}` too): remove it"
+        )
+    if cfg.gemma4_hybrid_attn_impl and attn_implementation not in (None, "flash_attention_2"):
+        raise ValueError(
+            "gemma4_hybrid_attn_impl runs FlashAttention 2 on Gemma 4's sliding-window layers, so Axolotl requires "
+            f"`attn_implementation: flash_attention_2` with it, not {attn_implementation}: change one of them"
+        )
     for plugin in cfg.plugins:
         if plugin in OTHER_PLUGINS:
             raise ValueError(
@@ -98,9 +115,15 @@ def kernel_notes(cfg: KernelKeys) -> list[str]:
         )
     asked = [key for key in (*LIGER_KEYS, *LORA_KERNEL_KEYS, *HF_KERNEL_KEYS) if getattr(cfg, key)]
     asked = [key for key in asked if key != "liger_fused_linear_cross_entropy"]
+    asked += [key for key in ("fused_attn_kernel", "flash_attn_fuse_mlp") if getattr(cfg, key)]
     if asked:
         notes.append(
             f"{', '.join(asked)}: fused kernels are not applied; the model's own PyTorch modules run, which "
             "compute the same function (the kernels only save time and memory on CUDA)"
+        )
+    if cfg.gemma4_hybrid_attn_impl:
+        notes.append(
+            "gemma4_hybrid_attn_impl: every layer runs sdpa (kernels are not mixed per layer here), which computes "
+            "the same attention as FlashAttention on the sliding-window layers, more slowly"
         )
     return notes

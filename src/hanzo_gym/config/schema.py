@@ -445,7 +445,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
             raise ValueError(f"resume_from_checkpoint: {self.resume_from_checkpoint} is not a directory")
         check_preference_keys(self)
         check_vllm_keys(self.trl, self.vllm, self.rl)
-        check_kernel_keys(self)
+        check_kernel_keys(self, self.adapter, self.attn_implementation)
         check_run_shape_keys(self)  # lora_model_dir, the batching keys: config/run_shape_keys.py
         if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:
             raise ValueError(

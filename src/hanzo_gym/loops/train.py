@@ -51,6 +51,10 @@ def build_engine(
     cfg: Config, device: torch.device, dtype: torch.dtype, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> Engine:
     attention, attention_note = attention_kernel(cfg.attn_implementation, device)
+    if cfg.gemma4_hybrid_attn_impl:
+        # FlashAttention cannot run Gemma 4's global layers (head_dim 512) and one kernel serves all layers
+        # here: sdpa, as kernel_notes says.
+        attention, attention_note = "sdpa", None
     for note in (attention_note, apply_tf32(cfg.tf32, device), *kernel_notes(cfg)):
         if note and is_main():
             print(note, flush=True)
