@@ -82,7 +82,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
         for key, what in (
             ("quantize_moe_experts", "quantizing the MoE expert weights"),
             ("tokenizer_use_mistral_common", "Mistral's own tokenizer library"),
-            ("activation_offloading", "offloading activations to CPU memory"),
             ("resize_token_embeddings_to_32x", "padding the embedding matrix to a multiple of 32"),
             ("experimental_skip_move_to_device", "leaving the model where it loaded"),
             ("debug", "Axolotl's debug output"),
@@ -166,9 +165,13 @@ NOT_YET: dict[str, tuple[str, str]] = {
 VALUES_NOT_YET: dict[tuple[str, Any], str] = {
     ("adapter", "full"): "full fine-tuning is `adapter` left out (or empty), as in Axolotl",
     ("adapter", "none"): "full fine-tuning is `adapter` left out (or empty), as in Axolotl",
-    ("gradient_checkpointing", "offload"): (
-        "Axolotl's `gradient_checkpointing: offload` (checkpointed activations kept in CPU memory) is not "
-        "supported yet; use `gradient_checkpointing: true`"
+    ("gradient_checkpointing", "offload_disk"): (
+        "Axolotl's `gradient_checkpointing: offload_disk` (activations kept on disk) is not supported yet; use "
+        "`gradient_checkpointing: offload` (host memory)"
+    ),
+    ("activation_offloading", "disk"): (
+        "Axolotl's `activation_offloading: disk` (activations kept on disk) is not supported yet; use "
+        "`activation_offloading: true` (host memory)"
     ),
     ("attn_implementation", "flex_attention"): (
         "Axolotl's `attn_implementation: flex_attention` (torch's flex attention) is not supported yet; use sdpa"

@@ -298,8 +298,12 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     flash_attention: bool | None = None
     model_type: str | None = None  # Axolotl's model class, checked against what base_model loads as
     tokenizer_type: str | None = None  # Axolotl's tokenizer class, likewise
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["offload"] = (
+        False  # offload: Axolotl's older activation_offloading
+    )
     gradient_checkpointing_kwargs: CheckpointingKwargs = CheckpointingKwargs()
+    # saved activations in host memory until the backward pass; legacy / hidden_states are Axolotl's variants
+    activation_offloading: bool | Literal["legacy", "hidden_states"] = False
 
     rl: Literal["grpo", "dpo", "ipo", "orpo", "simpo", "kto"] | None = None
     trl: TrlConfig = TrlConfig()
@@ -413,6 +417,13 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                     f"attn_implementation: {self.attn_implementation}; give one of them"
                 )
             self.attn_implementation = "flash_attention_2"  # Axolotl's own normalization of the old switch
+        if self.gradient_checkpointing == "offload":  # Axolotl's normalization of its older spelling
+            self.gradient_checkpointing, self.activation_offloading = True, True
+        if self.activation_offloading and not self.gradient_checkpointing:
+            raise ValueError(
+                "activation_offloading needs `gradient_checkpointing: true`, as in Axolotl: set it, or remove "
+                "activation_offloading"
+            )
         if self.bfloat16:
             if self.bf16 is False:
                 raise ValueError(

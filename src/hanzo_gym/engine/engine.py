@@ -20,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.engine.distributed import sync_gradients
 from hanzo_gym.engine.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
+from hanzo_gym.engine.offload import HostOffload
 from hanzo_gym.engine.optimizers import OptimizerFactory, plain_adamw, state_as_tensors, state_for_optimizer
 from hanzo_gym.engine.prefix_sharing import shared_layout
 from hanzo_gym.engine.sampling import sample_groups
@@ -50,8 +51,12 @@ class Engine:
         max_tokens_per_pass: int | None = None,
         logprob_chunk: int = 1024,
         optimizer_factory: OptimizerFactory = plain_adamw,
+        activation_offloading: bool = False,
     ):
+        """`activation_offloading`: keep the decoder's saved activations in host memory until the backward pass
+        (engine/offload.py), trading transfer time for device memory."""
         self.model = model
+        self.activation_offloading = activation_offloading
         self._optimizer_factory = optimizer_factory
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -323,7 +328,9 @@ class Engine:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
         blocks that never cross datums (it infers them only when no cache is passed). The log-probabilities
         `[N]` and, by name, the per-position `entropy` (and `log_sum_sq_probs` when asked)."""
-        hidden = self._packed_hidden(datums)
+        offloading = self.activation_offloading and torch.is_grad_enabled()
+        with HostOffload(pin_memory=self.device.type == "cuda") if offloading else contextlib.nullcontext():
+            hidden = self._packed_hidden(datums)
         targets = self._concat(datums, "target_tokens", torch.long)
         weight = self._output_weight
         hidden = hidden.to(weight.dtype)  # a trained fp32 copy of the output layer over a bf16 base

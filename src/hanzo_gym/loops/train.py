@@ -73,7 +73,10 @@ def build_engine(
         # peft's preparation for k-bit training: the frozen base's remaining layers (norms, embeddings, output)
         # in fp32, which keeps a bf16 QLoRA run stable. Checkpointing is set up below, non-reentrant.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if cfg.gradient_checkpointing:
+    offloading, checkpointing, offload_note = activation_memory_plan(cfg, device)
+    if offload_note and is_main():
+        print(offload_note, flush=True)
+    if checkpointing:
         # Non-reentrant checkpointing works with a frozen base (no input that requires grad).
         if hasattr(model, "activation_checkpointing_enable"):  # transformers' new name; the old one warns
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -84,7 +87,7 @@ def build_engine(
         print(fallback_note, flush=True)
     if cfg.full_fine_tuning:
         model.requires_grad_(True)
-        return Engine(model, tokenizer, optimizer_factory=optimizer_factory)
+        return Engine(model, tokenizer, optimizer_factory=optimizer_factory, activation_offloading=offloading)
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = cfg.lora_targets
     if cfg.lora_model_dir is not None:
@@ -113,7 +116,24 @@ def build_engine(
         cfg.revision_of_model
     ):  # adapter_config.json's `revision`: the base it was trained on, as PEFT records it
         peft_model.peft_config["default"].revision = cfg.revision_of_model
-    return Engine(peft_model, tokenizer, optimizer_factory=optimizer_factory)
+    return Engine(
+        peft_model, tokenizer, optimizer_factory=optimizer_factory, activation_offloading=offloading
+    )
+
+
+def activation_memory_plan(cfg: Config, device: torch.device) -> tuple[bool, bool, str | None]:
+    """Whether to offload activations to host memory, whether to checkpoint (recompute) layers, and a line to
+    print. As in Axolotl, `activation_offloading: true` / `legacy` offloads every saved activation of an adapter
+    run instead of recomputing (an adapter's activations are few enough to move), and offloads only the
+    checkpointed layers' inputs of a full fine-tuning run or under `hidden_states`. On a CPU the activations
+    are in host memory already, so nothing moves and checkpointing stays as set."""
+    if not cfg.activation_offloading:
+        return False, bool(cfg.gradient_checkpointing), None
+    if device.type == "cpu":
+        note = "activation_offloading: on cpu the activations are in host memory already; nothing to move"
+        return False, True, note
+    recompute = cfg.full_fine_tuning or cfg.activation_offloading == "hidden_states"
+    return True, recompute, None
 
 
 def starting_adapter_note(cfg: Config, directory: Path, model: torch.nn.Module) -> str | None:
