@@ -135,12 +135,13 @@ def tiny_dir(tmp_path_factory, word_tokenizer) -> str:
     return str(save_tiny_word_model(directory, word_tokenizer, pad_token_id=word_tokenizer.pad_token_id))
 
 
-def save_tiny_qwen3(directory: Path, qwen3_tokenizer, **overrides) -> Path:
-    """A tiny random Qwen3 with the real Qwen3 tokenizer, saved as a model folder."""
+def save_tiny_qwen3(directory: Path, qwen3_tokenizer, kind: str = "qwen3", **overrides) -> Path:
+    """A tiny random Qwen3 (or Qwen3-MoE: `kind="qwen3_moe"`) with the real Qwen3 tokenizer, saved as a model
+    folder."""
     from tiny_models import tiny_model
 
     model = tiny_model(
-        "qwen3",
+        kind,
         vocab_size=len(qwen3_tokenizer),
         eos_token_id=qwen3_tokenizer.eos_token_id,
         pad_token_id=None,
@@ -156,6 +157,12 @@ def save_tiny_qwen3(directory: Path, qwen3_tokenizer, **overrides) -> Path:
 def tiny_base(tmp_path_factory, qwen3_tokenizer) -> Path:
     """A tiny random Qwen3 that uses the real Qwen3 tokenizer."""
     return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), qwen3_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_base(tmp_path_factory, qwen3_tokenizer) -> Path:
+    """A tiny random Qwen3-MoE (four experts, stored as transformers saves them) with the real Qwen3 tokenizer."""
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-moe"), qwen3_tokenizer, kind="qwen3_moe")
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,8 @@ EXPECTED: dict[str, list[str]] = yaml.safe_load((CONFIGS / "expected.yaml").read
 NAMES = sorted(
     p.name for p in CONFIGS.iterdir() if p.suffix in (".yml", ".yaml") and p.name != "expected.yaml"
 )
-# Keys that name a model of its own (Llama classes, tokens of its vocabulary): the tiny model is a Qwen3.
+# Keys that name a model of its own (Llama classes, tokens of its vocabulary): the tiny model is a Qwen3 (a
+# Qwen3-MoE for an MoE config).
 OTHER_MODEL_KEYS = ("model_type", "tokenizer_type", "special_tokens", "eot_tokens")
 
 
@@ -101,7 +102,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 50, loading
+    assert len(loading) >= 59, loading
 
 
 @pytest.mark.parametrize(
@@ -119,13 +120,15 @@ def test_most_text_model_lora_and_qlora_examples_load():
         "llama-3--fft-8b.yaml",  # full fine-tuning (no adapter)
         "qwen2--dpo.yaml",  # full fine-tuning with DPO: the reference scored before the first step
         "qwen3--8b-lora-fused-attn.yaml",  # Axolotl's fused RMSNorm + RoPE kernel, the old flash_attention key
+        "glm45--glm-45-air-qlora.yaml",  # QLoRA on an MoE model with its experts in NF4 (quantize_moe_experts)
     ],
 )
 def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_changed(
-    name, tmp_path, tiny_base, capsys
+    name, tmp_path, tiny_base, tiny_moe_base, capsys
 ):
     assert not EXPECTED[name]
-    data = _with_local_paths(name, tmp_path, str(tiny_base))
+    moe = "quantize_moe_experts: true" in (CONFIGS / name).read_text()
+    data = _with_local_paths(name, tmp_path, str(tiny_moe_base if moe else tiny_base))
     for key in OTHER_MODEL_KEYS:
         data.pop(key, None)
     if data.get("chat_template") not in (None, "tokenizer_default", "chatml"):  # another model's format

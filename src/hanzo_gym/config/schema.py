@@ -222,6 +222,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
         False  # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes), the adapter in full precision
     )
     load_in_8bit: bool = False  # LoRA on a frozen base in bitsandbytes' 8-bit (LLM.int8()) layers
+    quantize_moe_experts: bool = False  # with load_in_4bit: an MoE model's stacked expert weights in NF4 too
     lora_r: int = Field(8, gt=0)
     lora_alpha: float = Field(16.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -430,6 +431,21 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                     "bfloat16: true casts the model to bf16, and the config also says bf16: false"
                 )
             self.bf16 = True
+        if self.quantize_moe_experts:
+            if self.load_in_8bit:
+                raise ValueError(
+                    "`quantize_moe_experts` with `load_in_8bit` (int8 experts) is not supported yet; use "
+                    "`adapter: qlora` with `load_in_4bit: true` (NF4 experts)"
+                )
+            if not self.load_in_4bit:
+                raise ValueError(
+                    "quantize_moe_experts quantizes a 4-bit base's experts too: it needs load_in_4bit"
+                )
+            if self.lora_target_linear:  # Axolotl's rule: a fused expert tensor is no linear layer to adapt
+                raise ValueError(
+                    "lora_target_linear does not go with quantize_moe_experts (Axolotl refuses it too); name the "
+                    "modules in lora_target_modules"
+                )
         if self.adapter is None:
             self._check_full_fine_tuning()
         else:

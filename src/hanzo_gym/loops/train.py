@@ -67,6 +67,7 @@ def build_engine(
         attn_implementation=attention,
         trust_remote_code=cfg.trust_remote_code,
         revision=cfg.revision_of_model,
+        quantize_moe_experts=cfg.quantize_moe_experts,
     )
     check_loader_class("model_type", cfg.model_type, model, cfg.base_model)
     if cfg.load_in_4bit or cfg.load_in_8bit:

@@ -5,6 +5,7 @@ A .gguf file is de-quantised once into a plain float32 Hugging Face directory un
 load can use the normal `from_pretrained` path.
 """
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -33,6 +34,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hanzo_gym.errors import ModelError
+from hanzo_gym.model.moe_quant import quantizing_experts_on_load
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +252,7 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     load_in_8bit: bool = False,
     revision: str | None = None,
+    quantize_moe_experts: bool = False,
 ) -> transformers.PreTrainedModel:
     """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
     linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; with `load_in_8bit`
@@ -257,7 +260,9 @@ def load_causal_lm(
     stays in `dtype`. `attn_implementation` picks transformers' attention kernel (its default, sdpa, when None).
     `trust_remote_code` (Axolotl's key, passed to from_pretrained as Axolotl does) lets a model whose
     config.json maps AutoModelForCausalLM to the repository's own Python code load: transformers runs it.
-    `revision` picks a branch, tag or commit of a hub base_model (`revision_of_model`)."""
+    `revision` picks a branch, tag or commit of a hub base_model (`revision_of_model`). `quantize_moe_experts`
+    (with load_in_4bit) quantizes the MoE layers' stacked expert weights to NF4 as they load (model/moe_quant.py);
+    a model without such weights fails, since the key would do nothing."""
     model_dir = resolve_model(base_model, trust_remote_code, revision)
     _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
     placement: dict = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -269,7 +274,14 @@ def load_causal_lm(
         if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
             placement["device_map"] = {"": str(device)}
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement)
+        with quantizing_experts_on_load() if quantize_moe_experts else contextlib.nullcontext([]) as experts:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement)
+        if quantize_moe_experts and not experts:
+            raise ModelError(
+                f"quantize_moe_experts: base_model `{base_model}` has no stacked MoE expert weights (3-D "
+                "parameters named for experts) to quantize; load_in_4bit quantizes its linear layers already: "
+                "remove the key"
+            )
         if load_in_4bit:
             _keep_4bit_weights_trainable(model)
         return model.to(device) if device is not None and not quantized else model
