@@ -127,8 +127,8 @@ def test_duplicate_key_is_an_error(tmp_path):
     ("extra", "expected"),
     [
         (
-            "unfrozen_parameters: ['^lm_head.weight$']\n",
-            "Axolotl's `unfrozen_parameters` (training chosen base-model parameters) is not supported yet",
+            "skip_prepare_dataset: true\n",
+            "Axolotl's `skip_prepare_dataset` (skipping dataset preparation) is not supported yet",
         ),
         ("fp16: true\n", "Axolotl's `fp16` (float16 mixed precision) is not supported yet"),
     ],
@@ -282,7 +282,7 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ("quantize_moe_experts: true\n", "`quantize_moe_experts` (quantizing the MoE expert weights)"),
+        ("use_onebitllms: true\n", "`use_onebitllms` (1-bit (BitNet) layers)"),
         ("fp16: true\n", "`fp16` (float16 mixed precision)"),
         ("deepspeed: deepspeed_configs/zero2.json\n", "`deepspeed` (DeepSpeed ZeRO sharding)"),
         (

@@ -36,7 +36,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "fp16": ("float16 mixed precision", "use `bf16` (or `bf16: false` for fp32)"),
     "torch_compile": ("torch.compile of the model", "remove it"),
     "hub_model_id": ("pushing the result to the Hugging Face Hub", "upload the run directory's adapter"),
-    "unfrozen_parameters": ("training chosen base-model parameters", "remove it"),
     "auto_resume_from_checkpoints": (
         "resuming from the latest checkpoint",
         "use `resume_from_checkpoint: true`",

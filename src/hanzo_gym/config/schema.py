@@ -27,6 +27,7 @@ from hanzo_gym.config.tracking import TrackingKeys
 from hanzo_gym.config.vllm_keys import VllmSection, VllmTrlKeys, check_vllm_keys
 from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
+from hanzo_gym.model.unfreeze import ROW_RANGE, name_pattern
 from hanzo_gym.rewards.user_code import is_dotted_name
 
 # Axolotl's warmup when the config gives none: 3 % of the run, at most 100 steps.
@@ -223,6 +224,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     )
     load_in_8bit: bool = False  # LoRA on a frozen base in bitsandbytes' 8-bit (LLM.int8()) layers
     quantize_moe_experts: bool = False  # with load_in_4bit: an MoE model's stacked expert weights in NF4 too
+    # full fine-tuning of only the parameters these name patterns match (model/unfreeze.py)
+    unfrozen_parameters: list[str] | None = None
     lora_r: int = Field(8, gt=0)
     lora_alpha: float = Field(16.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -332,6 +335,26 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                 f"or one of {', '.join(template_names())}"
             )
         return value
+
+    def _check_unfrozen_parameters(self) -> None:
+        if self.adapter:
+            raise ValueError(
+                "`unfrozen_parameters` chooses the weights that full fine-tuning trains; with "
+                f"`adapter: {self.adapter}` Axolotl freezes the adapter too (its maintainers: not supported with "
+                "LoRA), so nothing would train: remove it, or list whole modules in lora_modules_to_save"
+            )
+        for entry in self.unfrozen_parameters or []:
+            if ROW_RANGE.match(entry):
+                raise ValueError(
+                    f"unfrozen_parameters: `{entry}`: training only some rows of a parameter (Axolotl's "
+                    "[start:end]) is not supported yet; unfreeze the whole parameter"
+                )
+            try:
+                name_pattern(entry)
+            except re.error as exc:
+                raise ValueError(
+                    f"unfrozen_parameters: `{entry}` is not a valid regular expression: {exc}"
+                ) from None
 
     def _check_adapter(self) -> None:
         """The LoRA settings' own rules."""
@@ -446,6 +469,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                     "lora_target_linear does not go with quantize_moe_experts (Axolotl refuses it too); name the "
                     "modules in lora_target_modules"
                 )
+        if self.unfrozen_parameters:
+            self._check_unfrozen_parameters()
         if self.adapter is None:
             self._check_full_fine_tuning()
         else:

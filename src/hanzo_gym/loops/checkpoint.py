@@ -44,7 +44,7 @@ class TrainerPosition:
 _FLAGS_WHEN_SET = frozenset(
     {"load_in_4bit", "load_in_8bit", "peft_use_rslora", "full_fine_tuning", "quantize_moe_experts"}
 )
-_WRITTEN_WHEN_SET = _FLAGS_WHEN_SET | {"revision_of_model"}
+_WRITTEN_WHEN_SET = _FLAGS_WHEN_SET | {"revision_of_model", "unfrozen_parameters"}
 
 
 def adapter_fingerprint(cfg: Config) -> dict:
@@ -61,6 +61,7 @@ def adapter_fingerprint(cfg: Config) -> dict:
         **({"full_fine_tuning": True} if cfg.full_fine_tuning else {}),
         **({"quantize_moe_experts": True} if cfg.quantize_moe_experts else {}),
         **({"revision_of_model": cfg.revision_of_model} if cfg.revision_of_model else {}),
+        **({"unfrozen_parameters": cfg.unfrozen_parameters} if cfg.unfrozen_parameters else {}),
     }
 
 

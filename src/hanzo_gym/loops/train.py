@@ -45,6 +45,7 @@ from hanzo_gym.model.hub import (
 )
 from hanzo_gym.model.loader_keys import apply_tf32, attention_kernel, check_loader_class
 from hanzo_gym.model.lora import attach_lora, linear_module_names, load_trainable_lora, read_adapter_config
+from hanzo_gym.model.unfreeze import train_only_matching
 
 
 def build_engine(
@@ -87,7 +88,10 @@ def build_engine(
     if fallback_note and is_main():
         print(fallback_note, flush=True)
     if cfg.full_fine_tuning:
-        model.requires_grad_(True)
+        if cfg.unfrozen_parameters:
+            train_only_matching(model, cfg.unfrozen_parameters)
+        else:
+            model.requires_grad_(True)
         return Engine(model, tokenizer, optimizer_factory=optimizer_factory, activation_offloading=offloading)
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = cfg.lora_targets
