@@ -282,3 +282,27 @@ def test_an_8bit_model_samples_what_it_scores(tmp_path, wide_base, chats, word_t
         torch.testing.assert_close(
             recomputed[-len(sequence.tokens) :], torch.tensor(sequence.logprobs), rtol=0, atol=0.05
         )
+
+
+def test_bnb_config_kwargs_set_the_4bit_layers_quantization(tmp_path, wide_base, chats):
+    from hanzo_gym.config import load_config
+
+    def first_4bit_layer(**kwargs):
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(qlora_config(wide_base, chats, tmp_path / "run", **kwargs)))
+        engine = build_engine(load_config(path), torch.device("cpu"), torch.float32)
+        return next(m for m in engine.model.modules() if isinstance(m, Linear4bit)).weight.quant_state
+
+    qlora = first_4bit_layer()
+    assert (qlora.quant_type, qlora.nested) == ("nf4", True)
+    same = first_4bit_layer(bnb_config_kwargs={"bnb_4bit_use_double_quant": True})  # Axolotl's Gemma 4 config
+    assert (same.quant_type, same.nested) == ("nf4", True)
+    other = first_4bit_layer(
+        bnb_config_kwargs={"bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False}
+    )
+    assert (other.quant_type, other.nested) == ("fp4", False)
+    with pytest.raises(
+        Exception, match="bnb_config_kwargs sets how a 4-bit base is quantized; it needs load_in_4bit"
+    ):
+        parse_config({**qlora_config(wide_base, chats, tmp_path / "run"), "adapter": "lora", "load_in_4bit": False,
+                      "bnb_config_kwargs": {}}, "run.yaml")  # fmt: skip

@@ -86,7 +86,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("processor_type", "a multimodal processor class"),
             ("lora_target_parameters", "LoRA on bare parameters (MoE experts)"),
             ("context_parallel_size", "context parallelism over GPUs"),
-            ("bnb_config_kwargs", "extra bitsandbytes quantization settings"),
             ("use_onebitllms", "1-bit (BitNet) layers"),
             ("trackio_project_name", "Trackio experiment tracking"),
             ("trackio_run_name", "Trackio experiment tracking"),

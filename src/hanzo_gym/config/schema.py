@@ -178,6 +178,13 @@ class TrlConfig(_Strict, VllmTrlKeys):  # the vLLM rollout keys: config/vllm_key
         return specs
 
 
+class BnbConfigKwargs(_Strict):
+    """Axolotl's `bnb_config_kwargs`: the 4-bit quantization settings a QLoRA base loads with (bitsandbytes')."""
+
+    bnb_4bit_use_double_quant: bool = True  # quantize the per-block scales too (QLoRA's double quantization)
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+
+
 class CheckpointingKwargs(_Strict):
     """Axolotl's `gradient_checkpointing_kwargs`: the one setting hanzo-gym runs is the non-reentrant kind."""
 
@@ -224,6 +231,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     )
     load_in_8bit: bool = False  # LoRA on a frozen base in bitsandbytes' 8-bit (LLM.int8()) layers
     quantize_moe_experts: bool = False  # with load_in_4bit: an MoE model's stacked expert weights in NF4 too
+    bnb_config_kwargs: BnbConfigKwargs | None = None
     # full fine-tuning of only the parameters these name patterns match (model/unfreeze.py)
     unfrozen_parameters: list[str] | None = None
     lora_r: int = Field(8, gt=0)
@@ -424,6 +432,11 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
         return self.adapter is None
 
     @property
+    def bnb_4bit_settings(self) -> dict[str, Any]:
+        """The 4-bit settings bnb_config_kwargs changes from QLoRA's (NF4, double quantization)."""
+        return self.bnb_config_kwargs.model_dump(exclude_defaults=True) if self.bnb_config_kwargs else {}
+
+    @property
     def lora_targets(self) -> list[str] | str:
         """What the adapter targets: `all-linear`, sorted module names, or the regular expression."""
         if self.lora_target_linear:
@@ -469,6 +482,10 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                     "lora_target_linear does not go with quantize_moe_experts (Axolotl refuses it too); name the "
                     "modules in lora_target_modules"
                 )
+        if self.bnb_config_kwargs is not None and not self.load_in_4bit:
+            raise ValueError(
+                "bnb_config_kwargs sets how a 4-bit base is quantized; it needs load_in_4bit (`adapter: qlora`)"
+            )
         if self.unfrozen_parameters:
             self._check_unfrozen_parameters()
         if self.adapter is None:

@@ -69,6 +69,7 @@ def build_engine(
         trust_remote_code=cfg.trust_remote_code,
         revision=cfg.revision_of_model,
         quantize_moe_experts=cfg.quantize_moe_experts,
+        bnb_4bit=cfg.bnb_4bit_settings,
     )
     check_loader_class("model_type", cfg.model_type, model, cfg.base_model)
     if cfg.load_in_4bit or cfg.load_in_8bit:

@@ -253,6 +253,7 @@ def load_causal_lm(
     load_in_8bit: bool = False,
     revision: str | None = None,
     quantize_moe_experts: bool = False,
+    bnb_4bit: dict | None = None,
 ) -> transformers.PreTrainedModel:
     """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
     linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; with `load_in_8bit`
@@ -262,7 +263,8 @@ def load_causal_lm(
     config.json maps AutoModelForCausalLM to the repository's own Python code load: transformers runs it.
     `revision` picks a branch, tag or commit of a hub base_model (`revision_of_model`). `quantize_moe_experts`
     (with load_in_4bit) quantizes the MoE layers' stacked expert weights to NF4 as they load (model/moe_quant.py);
-    a model without such weights fails, since the key would do nothing."""
+    a model without such weights fails, since the key would do nothing. `bnb_4bit` overrides the 4-bit
+    settings (Axolotl's `bnb_config_kwargs`: `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`)."""
     model_dir = resolve_model(base_model, trust_remote_code, revision)
     _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
     placement: dict = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -270,7 +272,9 @@ def load_causal_lm(
         placement["trust_remote_code"] = True
     quantized = load_in_4bit or load_in_8bit
     if quantized:
-        placement["quantization_config"] = _four_bit_config(dtype) if load_in_4bit else _eight_bit_config()
+        placement["quantization_config"] = (
+            _four_bit_config(dtype, **(bnb_4bit or {})) if load_in_4bit else _eight_bit_config()
+        )
         if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
             placement["device_map"] = {"": str(device)}
     try:
@@ -339,13 +343,11 @@ def _eight_bit_config() -> transformers.BitsAndBytesConfig:
     return transformers.BitsAndBytesConfig(load_in_8bit=True)  # Axolotl's: LLM.int8() with threshold 6.0
 
 
-def _four_bit_config(compute_dtype: torch.dtype) -> transformers.BitsAndBytesConfig:
+def _four_bit_config(compute_dtype: torch.dtype, **settings) -> transformers.BitsAndBytesConfig:
     _need_bitsandbytes("load_in_4bit")
+    qlora = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
     return transformers.BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype,
+        load_in_4bit=True, bnb_4bit_compute_dtype=compute_dtype, **{**qlora, **settings}
     )
 
 
