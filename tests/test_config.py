@@ -373,16 +373,6 @@ def test_lr_scheduler_variants_and_min_lr_ratio(tmp_path):
     assert "`lr_scheduler: rex` is not supported yet" in _error(tmp_path, BASE + "lr_scheduler: rex\n")
 
 
-def test_gradient_checkpointing_kwargs_take_the_non_reentrant_kind(tmp_path):
-    cfg = _load(
-        tmp_path,
-        BASE + "gradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n",
-    )
-    assert cfg.gradient_checkpointing_kwargs.use_reentrant is False
-    message = _error(tmp_path, BASE + "gradient_checkpointing_kwargs:\n  use_reentrant: true\n")
-    assert "run.yaml:9" in message and "reentrant checkpointing is not supported" in message
-
-
 @pytest.mark.parametrize(
     ("keys", "total", "expected"),
     [

@@ -130,3 +130,58 @@ def test_special_tokens_take_the_tokenizers_own_tokens_and_refuse_new_ones(tmp_p
     assert main(["train", str(path)]) == 0
     saved = load_tokenizer(str(tiny_base), tokenizer_config=str(tmp_path / "run"))  # the adapter's tokenizer
     assert saved.eos_token == "<|endoftext|>"
+
+
+def test_both_kinds_of_checkpointing_give_the_gradients_of_none(
+    tmp_path, tiny_base, chat_data, qwen3_tokenizer
+):
+    from config_files import write_tiny_run
+
+    from hanzo_gym.records import Datum
+
+    tokens = qwen3_tokenizer.encode("one two three four five six seven eight nine ten")
+    datum = Datum.from_tokens(tokens[:-1], target_tokens=tokens[1:], weights=[1.0] * (len(tokens) - 1))
+    grads = {}
+    for kind, keys in {
+        "none": {},
+        "non-reentrant": {"gradient_checkpointing": True},
+        "reentrant": {
+            "gradient_checkpointing": True,
+            "gradient_checkpointing_kwargs": {"use_reentrant": True},
+        },
+    }.items():
+        config = write_tiny_run(tmp_path, tiny_base, chat_data, name=kind, lora_dropout=0.0, **keys)
+        engine = build_engine(load_config(config), torch.device("cpu"), torch.float32, qwen3_tokenizer)
+        engine.forward_backward([datum])
+        grads[kind] = [p.grad.clone() for p in engine.trainable]
+        # lora_B starts at zero, so B matrices take the gradient; a reentrant pass that lost it gives None
+        assert all(g.abs().sum() > 0 for g, p in zip(grads[kind], engine.trainable) if p.shape[1] == 4)
+    for kind in ("non-reentrant", "reentrant"):
+        for got, want in zip(grads[kind], grads["none"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_embeddings_grow_to_a_multiple_of_32_only_where_axolotl_grows_them(qwen3_tokenizer):
+    from tiny_models import tiny_model
+
+    length = len(qwen3_tokenizer)
+    assert length % 32  # 151669: the case that grows
+    model = tiny_model("qwen3", vocab_size=length, tie_word_embeddings=False)
+    note = loader_keys.pad_embeddings_to_32x(model, length, adapter=None)
+    rows = -(-length // 32) * 32
+    assert (
+        note == f"resize_token_embeddings_to_32x: {length} embedding rows grown to {rows} (a multiple of 32)"
+    )
+    assert (
+        model.get_input_embeddings().num_embeddings == rows
+        and model.get_output_embeddings().out_features == rows
+    )
+    assert (
+        loader_keys.pad_embeddings_to_32x(model, length, adapter=None) is None
+    )  # large enough now: as it is
+    wide = tiny_model("qwen3", vocab_size=rows + 64)
+    assert loader_keys.pad_embeddings_to_32x(wide, length, adapter="lora") is None
+    with pytest.raises(
+        ModelError, match=f"would grow the base's {length} embedding rows to {rows}, which an adapter"
+    ):
+        loader_keys.pad_embeddings_to_32x(tiny_model("qwen3", vocab_size=length), length, adapter="qlora")

@@ -80,7 +80,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
         key: (what, "remove it")
         for key, what in (
             ("tokenizer_use_mistral_common", "Mistral's own tokenizer library"),
-            ("resize_token_embeddings_to_32x", "padding the embedding matrix to a multiple of 32"),
             ("experimental_skip_move_to_device", "leaving the model where it loaded"),
             ("debug", "Axolotl's debug output"),
             ("processor_type", "a multimodal processor class"),

@@ -186,19 +186,9 @@ class BnbConfigKwargs(_Strict):
 
 
 class CheckpointingKwargs(_Strict):
-    """Axolotl's `gradient_checkpointing_kwargs`: the one setting hanzo-gym runs is the non-reentrant kind."""
+    """Axolotl's `gradient_checkpointing_kwargs`: which of torch's checkpointing kinds recomputes the layers."""
 
     use_reentrant: bool = False
-
-    @field_validator("use_reentrant")
-    @classmethod
-    def _non_reentrant(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(
-                "reentrant checkpointing is not supported (it needs an input that requires grad, which a "
-                "frozen base lacks); write `use_reentrant: false` or drop the key"
-            )
-        return value
 
 
 # The mixins' keys sit at the top level, as in Axolotl: config/preference_keys.py, tracking.py, kernel_keys.py.
@@ -230,6 +220,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
         False  # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes), the adapter in full precision
     )
     load_in_8bit: bool = False  # LoRA on a frozen base in bitsandbytes' 8-bit (LLM.int8()) layers
+    resize_token_embeddings_to_32x: bool = False  # Axolotl's: grow the embeddings to a multiple of 32 rows
     quantize_moe_experts: bool = False  # with load_in_4bit: an MoE model's stacked expert weights in NF4 too
     bnb_config_kwargs: BnbConfigKwargs | None = None
     # full fine-tuning of only the parameters these name patterns match (model/unfreeze.py)

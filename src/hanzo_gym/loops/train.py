@@ -43,7 +43,13 @@ from hanzo_gym.model.hub import (
     load_tokenizer,
     resolve_adapter,
 )
-from hanzo_gym.model.loader_keys import apply_tf32, attention_kernel, check_loader_class
+from hanzo_gym.model.loader_keys import (
+    apply_tf32,
+    attention_kernel,
+    check_loader_class,
+    enable_checkpointing,
+    pad_embeddings_to_32x,
+)
 from hanzo_gym.model.lora import attach_lora, linear_module_names, load_trainable_lora, read_adapter_config
 from hanzo_gym.model.unfreeze import train_only_matching
 
@@ -79,12 +85,13 @@ def build_engine(
     offloading, checkpointing, offload_note = activation_memory_plan(cfg, device)
     if offload_note and is_main():
         print(offload_note, flush=True)
+    if cfg.resize_token_embeddings_to_32x:
+        tokenizer_length = len(tokenizer if tokenizer is not None else load_run_tokenizer(cfg))
+        note = pad_embeddings_to_32x(model, tokenizer_length, cfg.adapter)
+        if note and is_main():
+            print(note, flush=True)
     if checkpointing:
-        # Non-reentrant checkpointing works with a frozen base (no input that requires grad).
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers' new name; the old one warns
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, cfg.gradient_checkpointing_kwargs.use_reentrant)
     optimizer_factory, fallback_note = build_optimizer_factory(cfg.optimizer, device)
     if fallback_note and is_main():
         print(fallback_note, flush=True)

@@ -1,10 +1,11 @@
 """Axolotl's loader keys: `model_type` and `tokenizer_type` (the classes to load with: checked against what the
-base model loads as), `attn_implementation` (the attention kernel, where this machine has it) and `tf32` (CUDA's
-TensorFloat-32 matmuls)."""
+base model loads as), `attn_implementation` (the attention kernel, where this machine has it), `tf32` (CUDA's
+TensorFloat-32 matmuls), `gradient_checkpointing_kwargs` and `resize_token_embeddings_to_32x`."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import torch
 
@@ -61,3 +62,35 @@ def apply_tf32(tf32: bool | str | None, device: torch.device) -> str | None:
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
     return None
+
+
+def enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
+    """Recompute each decoder layer in the backward pass. The reentrant kind (`use_reentrant: true`) gives no
+    gradient unless the layers' input requires one, which a frozen base's embeddings do not: as transformers
+    and PEFT do for it, the embedding output is made to require grad (the gradients are the same either way)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers' new name; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if reentrant:
+        model.enable_input_require_grads()
+
+
+def pad_embeddings_to_32x(model: torch.nn.Module, tokenizer_length: int, adapter: str | None) -> str | None:
+    """Axolotl's `resize_token_embeddings_to_32x`: grow the embedding matrix (and the output layer) to the
+    tokenizer's length rounded up to a multiple of 32, only when it has fewer rows, with transformers' mean
+    initialisation of the new rows, as Axolotl does; a line to print when it grew. An adapter cannot carry
+    new rows of the base (vLLM and `gym merge` apply it to the base as published), so that fails."""
+    rows = model.get_input_embeddings().num_embeddings
+    wanted = math.ceil(tokenizer_length / 32) * 32
+    if rows >= wanted:
+        return None  # Axolotl leaves a matrix that is large enough as it is
+    if adapter:
+        raise ModelError(
+            f"resize_token_embeddings_to_32x would grow the base's {rows} embedding rows to {wanted}, which an "
+            f"adapter (`adapter: {adapter}`) trained on it cannot carry to the published base: remove it, or "
+            "fine-tune fully"
+        )
+    model.resize_token_embeddings(wanted)
+    return f"resize_token_embeddings_to_32x: {rows} embedding rows grown to {wanted} (a multiple of 32)"
