@@ -8,7 +8,8 @@ import torch
 from config_files import parse_minimal, refusal_of
 from tiny_models import VOCAB, tiny_model
 
-from hanzo_gym.engine import Engine, engine as engine_module
+from hanzo_gym.engine import Engine
+from hanzo_gym.engine import engine as engine_module
 from hanzo_gym.engine.offload import HostOffload
 from hanzo_gym.loops.train import activation_memory_plan
 from hanzo_gym.model.lora import attach_lora

@@ -54,7 +54,7 @@ def test_a_dense_model_has_no_experts_to_quantize(tiny_dir):
 def test_qlora_with_quantized_experts_trains_and_its_gradients_are_the_dequantized_models(
     tiny_moe, tmp_path, chat_data
 ):
-    import torch.nn.utils.parametrize as parametrize
+    from torch.nn.utils import parametrize
 
     from hanzo_gym.config import load_config
     from hanzo_gym.loops.train import build_engine

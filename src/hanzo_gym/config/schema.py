@@ -21,13 +21,13 @@ from hanzo_gym.config.axolotl_keys import (
     known_path,
 )
 from hanzo_gym.config.kernel_keys import KernelKeys, check_kernel_keys
+from hanzo_gym.config.parameter_patterns import ROW_RANGE, name_pattern
 from hanzo_gym.config.preference_keys import KTO_TYPES, PAIR_TYPES, PreferenceKeys, check_preference_keys
 from hanzo_gym.config.run_shape_keys import check_run_shape_keys
 from hanzo_gym.config.tracking import TrackingKeys
 from hanzo_gym.config.vllm_keys import VllmSection, VllmTrlKeys, check_vllm_keys
 from hanzo_gym.config.yaml_source import load_yaml_file
 from hanzo_gym.errors import ConfigError, DataError, GymError
-from hanzo_gym.model.unfreeze import ROW_RANGE, name_pattern
 from hanzo_gym.rewards.user_code import is_dotted_name
 
 # Axolotl's warmup when the config gives none: 3 % of the run, at most 100 steps.

@@ -1,27 +1,17 @@
-"""Axolotl's `unfrozen_parameters`: full fine-tuning of the parameters whose names match, the rest frozen.
-
-Each entry is read as Axolotl reads it: a regular expression matched from the start of the parameter's name,
-in which every `.` not followed by `+` is a literal dot (so `model.layers.1[0-9]+.mlp` means what it looks
-like). Frozen parameters take no gradient and no optimizer state, which is the memory this saves.
+"""Axolotl's `unfrozen_parameters`: full fine-tuning of the parameters whose names match, the rest frozen, each
+entry read as Axolotl reads it (config/parameter_patterns.py). Frozen parameters take no gradient and no optimizer
+state, which is the memory this saves.
 """
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
+from hanzo_gym.config.parameter_patterns import name_pattern
 from hanzo_gym.errors import ModelError
 
-if TYPE_CHECKING:  # the config layer reads the patterns without importing torch
+if TYPE_CHECKING:
     import torch
-
-# Axolotl's `name[start:end]` suffix: only those rows of the parameter train.
-ROW_RANGE = re.compile(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$")
-
-
-def name_pattern(entry: str) -> re.Pattern[str]:
-    """The regular expression Axolotl makes of an entry; re.error when it is not one."""
-    return re.compile(re.sub(r"\.(?!\+)", r"\\.", entry))
 
 
 def train_only_matching(model: torch.nn.Module, entries: list[str]) -> None:
