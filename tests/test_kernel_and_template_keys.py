@@ -50,6 +50,10 @@ def test_axolotls_attention_and_mlp_kernels_load_and_say_what_runs_instead(tmp_p
     fused, hybrid = kernel_notes(cfg)
     assert fused.startswith("fused_attn_kernel: fused kernels are not applied") and "same function" in fused
     assert hybrid.startswith("gemma4_hybrid_attn_impl: every layer runs sdpa")
+    (compiled,) = kernel_notes(
+        load_text(tmp_path, BASE + "torch_compile: true\ntorch_compile_mode: max-autotune\n")
+    )
+    assert compiled.startswith("torch_compile: the model runs eagerly") and "not different" in compiled
     full = load_text(
         tmp_path, BASE.replace("adapter: lora\nlora_target_linear: true\n", "flash_attn_fuse_mlp: true\n")
     )
@@ -82,6 +86,7 @@ def test_gemma4_hybrid_attention_loads_sdpa_for_every_layer(tmp_path, tiny_base,
             "gemma4_hybrid_attn_impl: true\nattn_implementation: eager\n",
             "Axolotl requires `attn_implementation: flash_attention_2` with it, not eager",
         ),
+        ("torch_compile_mode: default\n", "torch_compile_mode says how torch_compile compiles"),
         ("liger_rms_norm: true\n", "`liger_rms_norm` is an option of Axolotl's plugin"),
         ("cut_cross_entropy: true\n", "`cut_cross_entropy` is an option of Axolotl's plugin"),
         (

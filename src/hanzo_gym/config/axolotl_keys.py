@@ -34,7 +34,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "test_datasets": ("separate evaluation datasets", "use `val_set_size`"),
     "skip_prepare_dataset": ("skipping dataset preparation", "remove it"),
     "fp16": ("float16 mixed precision", "use `bf16` (or `bf16: false` for fp32)"),
-    "torch_compile": ("torch.compile of the model", "remove it"),
     "hub_model_id": ("pushing the result to the Hugging Face Hub", "upload the run directory's adapter"),
     "auto_resume_from_checkpoints": (
         "resuming from the latest checkpoint",
@@ -119,7 +118,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("cls_model_config", "the classifier head of a reward model"),
             ("peft", "PEFT initialisation options such as LoftQ"),
             ("torchdistx_path", "torchdistx's deferred initialisation"),
-            ("torch_compile_mode", "the torch.compile mode"),
             ("tokenizer_use_fast", "choosing the slow or fast tokenizer"),
             ("tokenizer_legacy", "the tokenizer's legacy mode"),
             ("save_safetensors", "the checkpoint file format"),

@@ -1,7 +1,7 @@
 """Axolotl's kernel keys and plugins that change how fast a step runs or how much memory it holds, never what
 it computes: Cut Cross Entropy, Liger's fused kernels, Axolotl's LoRA kernels, its fused RMSNorm + RoPE
-attention kernel, xFormers' fused SwiGLU MLP, Gemma 4's per-layer mix of attention kernels and the Hugging Face
-kernels plugin (MoE grouped GEMMs). hanzo-gym runs the model's own PyTorch modules and its chunked loss instead, which
+attention kernel, xFormers' fused SwiGLU MLP, Gemma 4's per-layer mix of attention kernels, the Hugging Face
+kernels plugin (MoE grouped GEMMs) and torch.compile. hanzo-gym runs the model's own PyTorch modules and its chunked loss instead, which
 compute the same function, so a config that asks for them trains as written; the run's first lines say, once
 per group, what runs in their place (`kernel_notes`). This is the rule the optimizers follow (a fused or 8-bit
 AdamW falls back to plain AdamW, the same update rule). A plugin or key that changes the result (a loss of
@@ -9,6 +9,8 @@ its own, quantized experts, token scaling) is refused by name.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel
 
@@ -69,9 +71,11 @@ class KernelKeys(BaseModel):
     use_sonicmoe: bool | None = None
     fused_attn_kernel: bool | None = None  # Axolotl's Triton RMSNorm + RoPE kernel (Qwen3 families)
     flash_attn_fuse_mlp: bool | None = None  # xFormers' fused SwiGLU in place of the MLP
-    gemma4_hybrid_attn_impl: bool | None = (
-        None  # FlashAttention on Gemma 4's sliding layers, sdpa on its global
-    )
+    # FlashAttention on Gemma 4's sliding-window layers, sdpa on its global ones
+    gemma4_hybrid_attn_impl: bool | None = None
+    torch_compile: bool | Literal["auto"] | None = None
+    torch_compile_backend: str | None = None
+    torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = None
 
 
 def check_kernel_keys(cfg: KernelKeys, adapter: str | None, attn_implementation: str | None) -> None:
@@ -82,6 +86,11 @@ def check_kernel_keys(cfg: KernelKeys, adapter: str | None, attn_implementation:
             f"flash_attn_fuse_mlp fuses the MLP's linear layers into one, which a LoRA adapter cannot target "
             f"(Axolotl refuses it with `adapter: {adapter}` too): remove it"
         )
+    for key in ("torch_compile_backend", "torch_compile_mode"):
+        if getattr(cfg, key) and not cfg.torch_compile:
+            raise ValueError(
+                f"{key} says how torch_compile compiles, and torch_compile is not set: set it or remove {key}"
+            )
     if cfg.gemma4_hybrid_attn_impl and attn_implementation not in (None, "flash_attention_2"):
         raise ValueError(
             "gemma4_hybrid_attn_impl runs FlashAttention 2 on Gemma 4's sliding-window layers, so Axolotl requires "
@@ -120,6 +129,11 @@ def kernel_notes(cfg: KernelKeys) -> list[str]:
         notes.append(
             f"{', '.join(asked)}: fused kernels are not applied; the model's own PyTorch modules run, which "
             "compute the same function (the kernels only save time and memory on CUDA)"
+        )
+    if cfg.torch_compile:
+        notes.append(
+            "torch_compile: the model runs eagerly; compiling it would fuse the same computation into fewer "
+            "kernels (faster, not different), and is not applied yet"
         )
     if cfg.gemma4_hybrid_attn_impl:
         notes.append(
