@@ -28,8 +28,9 @@ OTHER_MODEL_KEYS = ("model_type", "tokenizer_type", "special_tokens", "eot_token
 
 
 def _chat(ds: dict, q: str, a: str) -> dict:
-    mapping = ds.get("message_property_mappings") or {}
-    role, content = mapping.get("role", "role"), mapping.get("content", "content")
+    mapping = ds.get("message_property_mappings") or {}  # or Axolotl's older message_field_* keys
+    role = mapping.get("role", ds.get("message_field_role", "role"))
+    content = mapping.get("content", ds.get("message_field_content", "content"))
     turns = [{role: "user", content: q}, {role: "assistant", content: a}]
     return {ds.get("field_messages", "messages"): turns}
 
@@ -102,7 +103,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 64, loading
+    assert len(loading) >= 65, loading
 
 
 @pytest.mark.parametrize(
@@ -120,6 +121,7 @@ def test_most_text_model_lora_and_qlora_examples_load():
         "llama-3--fft-8b.yaml",  # full fine-tuning (no adapter)
         "qwen2--dpo.yaml",  # full fine-tuning with DPO: the reference scored before the first step
         "qwen3--8b-lora-fused-attn.yaml",  # Axolotl's fused RMSNorm + RoPE kernel, the old flash_attention key
+        "LiquidAI--lfm2-350m-fft.yaml",  # full fine-tuning with bf16: true (mixed precision; fp32 in this test)
         "phi--phi-ft.yml",  # full fine-tuning, embeddings grown to a multiple of 32, reentrant checkpointing
         "glm45--glm-45-air-qlora.yaml",  # QLoRA on an MoE model with its experts in NF4 (quantize_moe_experts)
     ],

@@ -72,6 +72,42 @@ def test_one_step_equals_plain_pytorch(tmp_path, tiny_base, chat_data, qwen3_tok
     )
 
 
+def test_bf16_is_mixed_precision_over_fp32_weights(tmp_path, tiny_base, chat_data, qwen3_tokenizer, capsys):
+    cfg = load_config(_full_run(tmp_path, tiny_base, chat_data, bf16=True))
+    tokens = [qwen3_tokenizer.encode(text) for text in TEXTS]
+    datums = [Datum.from_tokens(t[:-1], target_tokens=t[1:], weights=[1.0] * (len(t) - 1)) for t in tokens]
+    mixed = build_engine(cfg, torch.device("cpu"), torch.bfloat16, qwen3_tokenizer)
+    assert {p.dtype for p in mixed.trainable} == {
+        torch.float32
+    }  # the weights it trains, and so AdamW's state
+    reference = copy.deepcopy(mixed.model)
+    out = mixed.forward_backward(datums, "cross_entropy")
+
+    total = 0.0
+    for t in tokens:  # the same model under torch's autocast; the output layer in fp32, as the engine runs it
+        ids = torch.tensor([t])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = reference.model(input_ids=ids[:, :-1]).last_hidden_state[0]
+        logits = hidden.float() @ reference.lm_head.weight.T
+        loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+        loss.backward()
+        total += float(loss)
+    assert out.loss_sum == pytest.approx(total, rel=2e-3)  # bf16 rounding of packed and separate passes
+    got = torch.cat([p.grad.flatten() for p in mixed.trainable])
+    want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
+    fp32 = build_engine(cfg, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    assert fp32.forward_backward(datums, "cross_entropy").loss_sum != out.loss_sum  # bf16 matmuls did run
+
+    assert (
+        main(["train", str(_full_run(tmp_path, tiny_base, chat_data, "bf16", bf16=True, max_steps=2))]) == 0
+    )
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("precision: bf16 (") and "full fine-tuning: fp32 weights and AdamW state" in first
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"))
+    assert saved.model.embed_tokens.weight.dtype == torch.float32
+
+
 def test_a_run_writes_the_model_where_axolotl_does_and_resumes(
     tmp_path, tiny_base, chat_data, qwen3_tokenizer
 ):
@@ -110,7 +146,6 @@ BASE = {
         ({"load_in_4bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
         ({"load_in_8bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
         ({"rl": "grpo", "trl": {"reward_funcs": ["exact_match"]}}, "rl: grpo is not supported yet"),
-        ({"bf16": True}, "trains in fp32 here for now"),
         ({"lora_r": 16, "lora_target_linear": True}, "lora_r, lora_target_linear: no `adapter` means full"),
     ],
 )

@@ -401,11 +401,6 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
             # The reference is the starting model: its log-probs are computed before the first step (TRL's
             # precompute_ref_log_probs), instead of a second copy of the model in memory as TRL keeps.
             self.precompute_ref_log_probs = True
-        if self.bf16 is True:
-            raise ValueError(
-                "full fine-tuning (no `adapter`) trains in fp32 here for now (bf16 weights would round small "
-                "updates away, and mixed-precision autocast is not in yet); set bf16: false or auto"
-            )
         given = sorted(
             key
             for key in self.model_fields_set

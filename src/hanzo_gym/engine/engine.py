@@ -52,11 +52,15 @@ class Engine:
         logprob_chunk: int = 1024,
         optimizer_factory: OptimizerFactory = plain_adamw,
         activation_offloading: bool = False,
+        autocast_dtype: torch.dtype | None = None,
     ):
         """`activation_offloading`: keep the decoder's saved activations in host memory until the backward pass
-        (engine/offload.py), trading transfer time for device memory."""
+        (engine/offload.py), trading transfer time for device memory. `autocast_dtype`: run the decoder under
+        torch.autocast in that dtype (mixed precision over fp32 weights); the output layer and the losses stay
+        fp32."""
         self.model = model
         self.activation_offloading = activation_offloading
+        self.autocast_dtype = autocast_dtype
         self._optimizer_factory = optimizer_factory
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -329,7 +333,14 @@ class Engine:
         blocks that never cross datums (it infers them only when no cache is passed). The log-probabilities
         `[N]` and, by name, the per-position `entropy` (and `log_sum_sq_probs` when asked)."""
         offloading = self.activation_offloading and torch.is_grad_enabled()
-        with HostOffload(pin_memory=self.device.type == "cuda") if offloading else contextlib.nullcontext():
+        offload = (
+            HostOffload(pin_memory=self.device.type == "cuda") if offloading else contextlib.nullcontext()
+        )
+        mixed = self.autocast_dtype is not None
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype) if mixed else contextlib.nullcontext()
+        )
+        with offload, autocast:
             hidden = self._packed_hidden(datums)
         targets = self._concat(datums, "target_tokens", torch.long)
         weight = self._output_weight

@@ -57,6 +57,12 @@ from hanzo_gym.model.unfreeze import train_only_matching
 def build_engine(
     cfg: Config, device: torch.device, dtype: torch.dtype, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> Engine:
+    """The engine `cfg` trains, computing in `dtype`. A LoRA run's frozen base is loaded in `dtype`; a full
+    fine-tuning run keeps its weights (the ones it trains) in fp32, so that small updates are not rounded away,
+    and computes the forward and backward passes in `dtype` under autocast: mixed precision, where Axolotl
+    would hold the weights and the optimizer state in bf16."""
+    autocast = dtype if cfg.full_fine_tuning and dtype != torch.float32 else None
+    dtype = torch.float32 if cfg.full_fine_tuning else dtype
     attention, attention_note = attention_kernel(cfg.attn_implementation, device)
     if cfg.gemma4_hybrid_attn_impl:
         # FlashAttention cannot run Gemma 4's global layers (head_dim 512) and one kernel serves all layers
@@ -100,7 +106,13 @@ def build_engine(
             train_only_matching(model, cfg.unfrozen_parameters)
         else:
             model.requires_grad_(True)
-        return Engine(model, tokenizer, optimizer_factory=optimizer_factory, activation_offloading=offloading)
+        return Engine(
+            model,
+            tokenizer,
+            optimizer_factory=optimizer_factory,
+            activation_offloading=offloading,
+            autocast_dtype=autocast,
+        )
     torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
     targets = cfg.lora_targets
     if cfg.lora_model_dir is not None:
@@ -236,9 +248,12 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     directory's top level, or into `adapter_dir` (a folder of its own) when given."""
     init_from_env()
     precision = choose_precision(cfg.bf16)
-    if cfg.full_fine_tuning and precision.dtype != torch.float32:  # bf16: auto (true fails at load)
-        precision = Precision(precision.device, torch.float32, "full fine-tuning trains every weight in fp32")
     device, dtype = precision.device, precision.dtype
+    if cfg.full_fine_tuning and dtype != torch.float32:
+        reason = (
+            f"{precision.reason}; full fine-tuning: fp32 weights and AdamW state, bf16 matmuls (autocast)"
+        )
+        precision = Precision(device, dtype, reason)
     if is_main():
         print(precision.describe(), flush=True)  # the run's first line: what it computes in, and why
     tokenizer = load_run_tokenizer(cfg)
