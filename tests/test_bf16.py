@@ -50,9 +50,6 @@ def test_auto_is_bf16_on_a_cpu_that_multiplies_bf16_natively(cpu_with_bf16):
     precision = hub.choose_precision("auto")
     assert (precision.device.type, precision.dtype) == ("cpu", torch.bfloat16)
     assert precision.describe() == "precision: bf16 (CPU has avx512_bf16)"
-    # The model host (Tinker client, gym serve) stays fp32 on a CPU under `auto` for now; forced, it follows.
-    assert hub.pick_device_and_dtype() == (torch.device("cpu"), torch.float32)
-    assert hub.pick_device_and_dtype(True) == (torch.device("cpu"), torch.bfloat16)
     assert hub.choose_precision(False).describe() == "precision: fp32 (bf16: false)"
 
 
@@ -396,3 +393,53 @@ def test_real_model_bf16_sampler_matches_the_trainer(real_engines):
     # |Δ| 0.043, bf16's own rounding differing between a cached decode step and a full pass (fp32: 0.0000).
     assert abs(diffs.mean().item()) < 0.01
     assert diffs.abs().mean().item() < 0.1
+
+
+# ---- the Tinker client and gym serve ---------------------------------------------------------------------------
+
+
+def _tinker_loss(service, base: str) -> tuple[float, object]:
+    from hanzo_gym.tinker import types
+
+    client = service.create_lora_training_client(base, rank=4, seed=3)
+    tokens = list(range(3, 40))
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    return client.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"], client
+
+
+def test_the_tinker_client_and_gym_serve_compute_in_bf16_where_the_cpu_multiplies_it(
+    cpu_with_bf16, tmp_path, tiny_dir
+):
+    from hanzo_gym import tinker
+    from hanzo_gym.host.model_host import ModelHost
+
+    host = ModelHost(tiny_dir)  # gym serve's, with --bf16 auto
+    assert host.precision.describe() == "precision: bf16 (CPU has avx512_bf16)"
+    assert {p.dtype for p in host.model.parameters()} == {torch.bfloat16}
+    with (
+        tinker.ServiceClient(root=tmp_path / "a") as mixed,
+        tinker.ServiceClient(root=tmp_path / "b", dtype=torch.float32) as fp32,
+    ):
+        got, client = _tinker_loss(mixed, tiny_dir)
+        want, _ = _tinker_loss(fp32, tiny_dir)
+        adapter = [p for p in client._host.model.parameters() if p.requires_grad]
+        assert adapter and {p.dtype for p in adapter} == {torch.float32}  # the mixed recipe, as gym train's
+        assert got != want and got == pytest.approx(want, rel=1e-2)  # bf16 activations, fp32 reductions
+        sampler = client.save_weights_and_get_sampling_client("w")
+        sampled = sampler.sample(
+            tinker.types.ModelInput.from_ints([3, 4, 5]),
+            1,
+            tinker.types.SamplingParams(max_tokens=4, seed=0, stop=[]),
+        ).result()
+        assert len(sampled.sequences[0].tokens) == 4
+
+
+def test_the_tinker_client_and_gym_serve_stay_fp32_on_a_cpu_without_native_bf16(cpu_without_bf16, tiny_dir):
+    from hanzo_gym.host.model_host import ModelHost
+
+    host = ModelHost(tiny_dir)
+    assert host.precision.describe() == "precision: fp32 (CPU has neither avx512_bf16 nor amx_bf16)"
+    assert ModelHost(tiny_dir, dtype=torch.bfloat16).precision.describe() == "precision: bf16 (as asked)"

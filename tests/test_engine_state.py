@@ -147,7 +147,7 @@ def test_a_gym_train_checkpoint_is_a_tinker_state_and_back(tmp_path, tiny_dir):
     then train identically; a Tinker save_state has the same files."""
     datums = _datums()  # records.Datum is tinker.types.Datum
     adam = tinker.types.AdamParams(learning_rate=3e-2)
-    with tinker.ServiceClient(root=tmp_path / "runs") as service:
+    with tinker.ServiceClient(root=tmp_path / "runs", dtype=torch.float32) as service:
         first = service.create_lora_training_client(base_model=tiny_dir, rank=4, seed=0)
         first.forward_backward(datums, "cross_entropy").result()
         first.optim_step(adam).result()

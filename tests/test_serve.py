@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+import torch
 
 from hanzo_gym import tinker
 from hanzo_gym.cli import main
@@ -32,7 +33,7 @@ LONG_TEXT = "c are"  # base: 10+ tokens without an end
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tiny_dir, word_tokenizer):
     """The reference: Tinker-style sampling clients for the base model and a one-step adapter."""
-    service = tinker.ServiceClient(root=tmp_path_factory.mktemp("runs"))
+    service = tinker.ServiceClient(root=tmp_path_factory.mktemp("runs"), dtype=torch.float32)
     training = service.create_lora_training_client(tiny_dir, rank=4, seed=0)
     tokens = word_tokenizer("one two three four five six seven eight nine ten")["input_ids"]
     datum = types.Datum(
@@ -54,7 +55,7 @@ def engine(tmp_path_factory, tiny_dir, word_tokenizer):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, engine):
-    models = ServedModels(ModelHost(tiny_dir), {"tuned": engine.directory})
+    models = ServedModels(ModelHost(tiny_dir, dtype=torch.float32), {"tuned": engine.directory})
     with Server(models, port=0) as running:
         yield running
 
@@ -124,7 +125,9 @@ def test_models_lists_the_base_model_and_its_adapters(client, tiny_dir, engine):
 def test_what_one_request_may_cost_is_bounded_and_stated(tiny_dir, engine):
     """A chat without max_tokens gets at most the default cap (not the whole context); prompts × n × max_tokens
     past the server's limit is a 400 that names the limit; /v1/models states both."""
-    models = ServedModels(ModelHost(tiny_dir), default_max_tokens=6, max_request_tokens=40)
+    models = ServedModels(
+        ModelHost(tiny_dir, dtype=torch.float32), default_max_tokens=6, max_request_tokens=40
+    )
     with Server(models, port=0) as running:
         client = openai.OpenAI(base_url=running.url, api_key="none", max_retries=0)
         card = client.models.retrieve(tiny_dir)
@@ -584,11 +587,23 @@ def test_bad_methods_lengths_and_the_openai_client_errors(server, client, tiny_d
 
 # -- the command ----------------------------------------------------------------------------------------------
 def test_gym_serve_prints_its_address_and_answers(tiny_dir, engine):
-    command = [sys.executable, "-m", "hanzo_gym.cli", "serve", "--model", tiny_dir, "--port", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "hanzo_gym.cli",
+        "serve",
+        "--model",
+        tiny_dir,
+        "--port",
+        "0",
+        "--bf16",
+        "false",
+    ]
     process = subprocess.Popen(
         [*command, "--adapter", f"tuned={engine.directory}"], stdout=subprocess.PIPE, text=True
     )
     try:
+        assert process.stdout.readline() == "precision: fp32 (bf16: false)\n"
         line = process.stdout.readline()
         match = re.fullmatch(r"serving (.+) on (http://127\.0\.0\.1:\d+/v1)\n", line)
         assert match, line

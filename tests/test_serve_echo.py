@@ -49,7 +49,7 @@ def references(wide_qwen3_dir, adapter_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def served(wide_qwen3_dir, adapter_dir):
-    models = ServedModels(ModelHost(wide_qwen3_dir), {"tuned": adapter_dir})
+    models = ServedModels(ModelHost(wide_qwen3_dir, dtype=torch.float32), {"tuned": adapter_dir})
     with Server(models, port=0) as server:
         yield server
 
@@ -195,7 +195,7 @@ def test_echo_keeps_the_stop_token_that_ended_the_completion(tiny_dir, word_toke
             break
         tokens.append(following)
     assert following == word_tokenizer.eos_token_id, "no prompt found whose next token is eos"
-    models = ServedModels(ModelHost(tiny_dir))
+    models = ServedModels(ModelHost(tiny_dir, dtype=torch.float32))
     try:
         body = {"prompt": tokens, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
         choice = complete(models, parse_completion(body))["choices"][0]

@@ -139,7 +139,7 @@ def generations(results: dict) -> dict[int, str]:
 
 def test_lm_eval_local_completions_matches_hf_on_a_tiny_model(tmp_path, offline, wide_qwen3_dir):
     tasks = write_tasks(tmp_path)
-    with Server(ServedModels(ModelHost(wide_qwen3_dir), name="tiny"), port=0) as server:
+    with Server(ServedModels(ModelHost(wide_qwen3_dir, dtype=torch.float32), name="tiny"), port=0) as server:
         served = evaluate(
             "local-completions", served_args(server, "tiny", wide_qwen3_dir, 2), ["gym_choice"], tasks
         )
@@ -162,7 +162,7 @@ def test_lm_eval_local_completions_matches_hf_on_the_real_model_and_an_adapter(t
     adapter = random_adapter(model_dir, tmp_path / "adapter")
     tasks = write_tasks(tmp_path)
     both = ["gym_choice", "gym_generate"]
-    models = ServedModels(ModelHost(model_dir), {"tuned": adapter}, name="smollm2")
+    models = ServedModels(ModelHost(model_dir, dtype=torch.float32), {"tuned": adapter}, name="smollm2")
     with Server(models, port=0) as server:
         served = evaluate("local-completions", served_args(server, "smollm2", model_dir, 4), both, tasks)
         served_tuned = evaluate(

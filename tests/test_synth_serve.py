@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 
 from hanzo_gym.cli import main
@@ -15,7 +16,7 @@ from hanzo_gym.serve import ServedModels, Server
 
 @pytest.mark.real_model
 def test_synth_against_gym_serve_on_the_real_model(real, tmp_path, capsys):
-    models = ServedModels(ModelHost(str(real.gguf)), name="smol")
+    models = ServedModels(ModelHost(str(real.gguf), dtype=torch.float32), name="smol")
     with Server(models, port=0) as server:
         output = tmp_path / "rows.jsonl"
         design = {

@@ -25,7 +25,7 @@ ADAM = types.AdamParams(learning_rate=5e-2)
 
 @pytest.fixture
 def service(tmp_path):
-    return tinker.ServiceClient(root=tmp_path / "runs")
+    return tinker.ServiceClient(root=tmp_path / "runs", dtype=torch.float32)
 
 
 def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
@@ -367,13 +367,15 @@ def test_a_fresh_service_resumes_a_saved_state_exactly(tmp_path, tiny_dir):
         client.forward_backward([datum(s) for s in SENTENCES], "cross_entropy")
         client.optim_step(ADAM)
 
-    first = tinker.ServiceClient(root=tmp_path / "runs").create_lora_training_client(tiny_dir, rank=4, seed=1)
+    first = tinker.ServiceClient(root=tmp_path / "runs", dtype=torch.float32).create_lora_training_client(
+        tiny_dir, rank=4, seed=1
+    )
     step(first)
     path = first.save_state("s").result().path
     step(first)
-    later = tinker.ServiceClient(root=tmp_path / "runs").create_training_client_from_state_with_optimizer(
-        path
-    )
+    later = tinker.ServiceClient(
+        root=tmp_path / "runs", dtype=torch.float32
+    ).create_training_client_from_state_with_optimizer(path)
     step(later)
     assert loss_of(later) == pytest.approx(loss_of(first), rel=1e-6)
 
@@ -454,7 +456,7 @@ def test_bad_requests_fail_their_caller_and_everything_keeps_working(service, ti
 
 
 def test_closing_the_service_ends_its_sampler_threads(tmp_path, tiny_dir):
-    with tinker.ServiceClient(root=tmp_path / "runs") as service:
+    with tinker.ServiceClient(root=tmp_path / "runs", dtype=torch.float32) as service:
         sampler = service.create_sampling_client(base_model=tiny_dir)
         prompt = types.ModelInput.from_ints([8, 9])
         pending = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=3))

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import tinker  # the official SDK (the `test` extra pins 0.38.0): not skipped when missing, a hole in CI
+import torch
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
@@ -31,7 +32,7 @@ SENTENCES = [[8, 9, 12, 13, 14, 15], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    models = ServedModels(ModelHost(tiny_dir), name=SERVED_NAME)
+    models = ServedModels(ModelHost(tiny_dir, dtype=torch.float32), name=SERVED_NAME)
     api = tinker_api(models, root=str(tmp_path_factory.mktemp("served-runs")), long_poll_seconds=2.0)
     with Server(models, port=0, tinker=api) as running:
         yield running
@@ -53,7 +54,7 @@ def monkeypatch_module():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The in-process client: what the server's numbers must equal."""
-    return gym_tinker.ServiceClient(root=tmp_path_factory.mktemp("reference-runs"))
+    return gym_tinker.ServiceClient(root=tmp_path_factory.mktemp("reference-runs"), dtype=torch.float32)
 
 
 def sdk_datum(tokens: list[int], **inputs) -> types.Datum:
@@ -349,7 +350,7 @@ def test_a_zstd_body_and_a_bad_proto_body(server, sdk):
 
 
 def test_a_poll_waits_then_says_try_again(tmp_path):
-    api = TinkerAPI(gym_tinker.ServiceClient(root=tmp_path), {}, long_poll_seconds=0.2)
+    api = TinkerAPI(gym_tinker.ServiceClient(root=tmp_path, dtype=torch.float32), {}, long_poll_seconds=0.2)
     slow: concurrent.futures.Future = concurrent.futures.Future()
     with api._lock:
         request_id = api._register(None, slow, lambda value: Reply.json(value))["request_id"]
@@ -381,7 +382,7 @@ def test_one_server_trains_and_samples_several_base_models(
     """`gym serve --tinker-model NAME=PATH`: a second base model beside the served one, loaded at its first
     use, trained and sampled through the SDK under its own name, with its own tokenizer."""
     monkeypatch.setenv("TINKER_API_KEY", "tml-local-test")
-    models = ServedModels(ModelHost(tiny_dir), name=SERVED_NAME)
+    models = ServedModels(ModelHost(tiny_dir, dtype=torch.float32), name=SERVED_NAME)
     api = tinker_api(models, root=str(tmp_path), more_models={"tiny/qwen3": str(tiny_base)})
     with Server(models, port=0, tinker=api) as running:
         service = tinker.ServiceClient(base_url=running.base_url)

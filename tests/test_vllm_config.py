@@ -192,8 +192,8 @@ def test_the_tinker_client_asks_for_a_known_sampler_and_names_the_vllm_install(
     from hanzo_gym import tinker
 
     with pytest.raises(GymError, match="sampler must be `builtin` or `vllm`"):
-        tinker.ServiceClient(root=tmp_path, sampler="fast")
+        tinker.ServiceClient(root=tmp_path, sampler="fast", dtype=torch.float32)
     monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not installed
-    service = tinker.ServiceClient(root=tmp_path, sampler="vllm")
+    service = tinker.ServiceClient(root=tmp_path, sampler="vllm", dtype=torch.float32)
     with pytest.raises(GymError, match=r"needs vLLM, which is not installed here: on a GPU `pip install"):
         service.create_lora_training_client(tiny_dir, rank=4)

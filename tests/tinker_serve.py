@@ -15,12 +15,25 @@ def start_gym_serve(
     model: str, runs: Path, served_name: str | None = None, cwd: Path | None = None
 ) -> tuple[subprocess.Popen, str]:
     """The server process and its TINKER_BASE_URL, once it listens; checkpoints go under `runs`."""
-    command = [sys.executable, "-m", "hanzo_gym.cli", "serve", "--model", model, "--port", "0", "--tinker"]
+    command = [
+        sys.executable,
+        "-m",
+        "hanzo_gym.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        "0",
+        "--tinker",
+        "--bf16",
+        "false",  # the tests compare against fp32 references (bf16 serving: test_bf16.py)
+    ]
     if served_name is not None:
         command += ["--served-model-name", served_name]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, text=True, cwd=cwd, env={**os.environ, "HANZO_GYM_RUNS": str(runs)}
     )
+    assert process.stdout.readline() == "precision: fp32 (bf16: false)\n"  # its first line
     line = process.stdout.readline()
     match = re.search(r"Tinker API on (http://127\.0\.0\.1:\d+) \(TINKER_BASE_URL=", line)
     if not match:

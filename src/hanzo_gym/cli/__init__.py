@@ -80,6 +80,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.max_request_tokens,
         args.tinker,
         args.tinker_model,
+        {"auto": "auto", "true": True, "false": False}[args.bf16],
     )
 
 
@@ -159,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="with --tinker: one more base model (hub id, folder or .gguf) that tinker clients ask for as "
         "NAME, loaded at its first use; repeatable",
+    )
+    serve.add_argument(
+        "--bf16",
+        choices=["auto", "true", "false"],
+        default="auto",
+        help="the config key's values: auto (default) is bf16 where the device multiplies it natively (a "
+        "CUDA GPU, a CPU with avx512_bf16 or AMX), else fp32; the first line says which",
     )
     serve.add_argument("--verbose", action="store_true", help="log every request")
     serve.set_defaults(handler=_serve)

@@ -20,16 +20,26 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError, ModelError
-from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, model_key, pick_device_and_dtype
+from hanzo_gym.model.hub import Precision, choose_precision, load_causal_lm, load_tokenizer, model_key
 from hanzo_gym.model.lora import adapter_weights, linear_layer_paths, read_adapter, set_adapter_weights
 
 
 class ModelHost:
     def __init__(self, base_model: str, device: torch.device | None = None, dtype: torch.dtype | None = None):
-        auto_device, auto_dtype = pick_device_and_dtype()
+        """The base model on `device` in `dtype`; each defaults to what `bf16: auto` picks (CUDA, else the CPU;
+        bf16 where the device multiplies it natively, else fp32), and `precision` says which and why. On bf16
+        the adapters stay fp32 (PEFT's autocast of adapter weights), the mixed recipe `gym train` uses."""
+        auto = choose_precision("auto")
+        if device is not None and device.type != auto.device.type:
+            auto = Precision(device, torch.float32, f"on {device.type}")  # auto's choice was for another device
+        self.precision = Precision(
+            device or auto.device,
+            dtype or auto.dtype,
+            auto.reason if dtype is None or dtype == auto.dtype else "as asked",
+        )
         self.base_model = base_model
         self.tokenizer = load_tokenizer(base_model)
-        self.model = load_causal_lm(base_model, dtype or auto_dtype, device=device or auto_device)
+        self.model = load_causal_lm(base_model, self.precision.dtype, device=self.precision.device)
         self.model.requires_grad_(False)
         self.linear_layers = linear_layer_paths(self.model)
         self.lock = threading.RLock()

@@ -135,16 +135,6 @@ def choose_precision(bf16: str | bool = "auto") -> Precision:
     return Precision(device, torch.float32, "bf16: false")
 
 
-def pick_device_and_dtype(bf16: str | bool = "auto") -> tuple[torch.device, torch.dtype]:
-    """The model host's default (the Tinker client and `gym serve`): `choose_precision`'s, except that `auto`
-    keeps a CPU in fp32 for now. Their tests check against fp32 references at fp32 tolerances; moving them to
-    bf16 on a CPU with native bf16, with those tests pinned to fp32, is the rest of issue 16."""
-    if bf16 == "auto" and not torch.cuda.is_available():
-        return torch.device("cpu"), torch.float32
-    precision = choose_precision(bf16)
-    return precision.device, precision.dtype
-
-
 def cache_root() -> Path:
     """Root of hanzo-gym's own cache: $HANZO_GYM_CACHE or ~/.cache/hanzo-gym."""
     return Path(os.environ.get("HANZO_GYM_CACHE") or "~/.cache/hanzo-gym").expanduser()

@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlsplit
 
 from hanzo_gym.errors import GymError
 from hanzo_gym.host.model_host import ModelHost
-from hanzo_gym.model.hub import model_key, resolve_model
+from hanzo_gym.model.hub import choose_precision, model_key, resolve_model
 from hanzo_gym.serve.api import chat, complete
 from hanzo_gym.serve.models import ServedModels
 from hanzo_gym.serve.protocol import (
@@ -414,8 +414,10 @@ def run_serve(
     max_request_tokens: int | None = None,
     tinker: bool = False,
     tinker_model_specs: list[str] | None = None,
+    bf16: str | bool = "auto",
 ) -> None:
-    """`gym serve`: load the base model once, then serve it with its adapters."""
+    """`gym serve`: load the base model once, in the precision `bf16` picks (the config key's values), then
+    serve it with its adapters."""
     adapters = parse_named_paths(adapter_specs, "--adapter", "a PEFT adapter folder or a gym:// path")
     tinker_models = parse_named_paths(
         tinker_model_specs, "--tinker-model", "a base model: hub id, local folder or .gguf file"
@@ -440,7 +442,10 @@ def run_serve(
         from hanzo_gym.serve.tinker_wire import proto
 
         proto()  # before the model loads: a missing SDK fails in a moment
-    serve(ModelHost(model), adapters, bind, port, renderer, name, verbose, limits, tinker, tinker_models)
+    precision = choose_precision(bf16)
+    print(precision.describe(), flush=True)
+    host = ModelHost(model, precision.device, precision.dtype)
+    serve(host, adapters, bind, port, renderer, name, verbose, limits, tinker, tinker_models)
 
 
 def tinker_api(
@@ -454,7 +459,7 @@ def tinker_api(
     the first request that names it). Training clients add adapters to their base model."""
     from hanzo_gym.tinker.service_client import ServiceClient
 
-    service = ServiceClient(root=root)
+    service = ServiceClient(root=root, device=models.host.device, dtype=models.host.precision.dtype)
     service.serve_host(models.host, models.batcher)
     names = {models.name: models.host.base_model}
     for name, base_model in (more_models or {}).items():

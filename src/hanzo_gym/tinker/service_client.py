@@ -28,7 +28,8 @@ _ATTENTION_PARENTS = ("attn", "attention")
 
 class ServiceClient:
     """`root` is where checkpoints go (default `$HANZO_GYM_RUNS`, else the cache's `runs/`). `device` and
-    `dtype` default to CUDA + bf16 when there is a GPU, else CPU + fp32. `sampler="vllm"` samples through a
+    `dtype` default to what `bf16: auto` picks: CUDA when there is a GPU, else the CPU; bf16 where the device
+    multiplies it natively (a CPU with avx512_bf16 or AMX), else fp32. `sampler="vllm"` samples through a
     colocated vLLM (hanzo_gym.rollout.vllm_batcher) instead of the built-in sampler. Tinker's connection
     settings (`api_key`, `base_url`, …) are accepted and mean nothing locally."""
 
