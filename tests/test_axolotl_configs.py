@@ -49,6 +49,10 @@ ROWS = {
         "rejected": [{"role": "user", "content": q}, {"role": "assistant", "content": bad}],
     },
     "llama3.ultra": lambda ds, q, good, bad: {"prompt": q, "completion": good, "label": True},
+    "rewards.prompt_transform": lambda ds, q, good, bad: {
+        "question": q,
+        "answer": f"So {good}\n#### {good[:-1]}",
+    },
 }
 
 
@@ -72,6 +76,7 @@ def _with_local_paths(name: str, tmp_path: Path, base_model: str) -> dict:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         ds["path"] = str(path)
         ds.pop("split", None)
+        ds.pop("name", None)  # a hub dataset's configuration, like split part of its address
     return data
 
 
@@ -89,6 +94,12 @@ def test_every_config_in_the_folder_has_its_expectation():
     assert sorted(EXPECTED) == NAMES
 
 
+@pytest.fixture(autouse=True)
+def _users_reward_module(monkeypatch):
+    """The `rewards.py` Axolotl's GRPO quick-start has its user write in the working directory."""
+    monkeypatch.syspath_prepend(str(CONFIGS / "grpo-quickstart"))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp_path):
     data = _with_local_paths(name, tmp_path, "unused")
@@ -103,7 +114,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 65, loading
+    assert len(loading) >= 66, loading
 
 
 @pytest.mark.parametrize(
@@ -149,3 +160,27 @@ def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_ch
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
     if data.get("dataset_prepared_path"):
         assert "saved the prepared datasets" in capsys.readouterr().out
+
+
+def test_the_grpo_quick_start_trains_with_its_reward_module_on_the_built_in_sampler(tmp_path, tiny_base):
+    """Axolotl's GRPO quick-start (its docs' config and the rewards.py it has the user write): the user's prompt
+    transform and reward functions, weighted, as Axolotl calls them. Its vLLM keys are left out here: the main
+    suite has no vLLM (tests/test_vllm_rollouts.py runs GRPO on one)."""
+    data = _with_local_paths("docs--grpo-quickstart.yaml", tmp_path, str(tiny_base))
+    data.pop("vllm")
+    for key in ("use_vllm", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_lora_sync"):
+        data["trl"].pop(key)
+    data.pop("special_tokens")  # Qwen2.5's pad token; the tiny model is a Qwen3 with its own
+    data.update(max_steps=2, bf16=False, micro_batch_size=2, gradient_accumulation_steps=1, sequence_len=128)
+    data.update(gradient_checkpointing=False, attn_implementation=None, optimizer="adamw_torch")
+    data["trl"].update(num_generations=2, max_completion_length=8)
+    data.update(lora_r=8, lora_alpha=16)  # a rank the tiny model has room for
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["train", str(path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "loss" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    assert all("reward" in key for key in ("reward",)) and any(k.startswith("reward") for k in steps[0]), (
+        steps[0]
+    )

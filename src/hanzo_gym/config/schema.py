@@ -145,6 +145,9 @@ class TrlConfig(_Strict, VllmTrlKeys):  # the vLLM rollout keys: config/vllm_key
 
     num_generations: int = Field(4, ge=2)
     max_completion_length: int = Field(256, ge=1)
+    # Axolotl's data producer protocol; without its async_prefetch (refused) each step's rollouts come from the
+    # current policy, which is what GRPO does here anyway
+    use_data_producer: bool = False
     beta: float = Field(0.0, ge=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -204,6 +207,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     datasets: list[DatasetConfig] = Field(min_length=1)
     val_set_size: float = Field(0.0, ge=0)
     dataset_prepared_path: str | None = None  # a folder keeping the tokenized datasets (data/prepared.py)
+    # Axolotl's: tokenize as training reads the data, no prepared copy kept; the same examples
+    skip_prepare_dataset: bool = False
     output_dir: str
     sequence_len: int = Field(2048, gt=1)
     # SFT examples longer than sequence_len: dropped (Axolotl's default), cut to it, or an error
@@ -471,6 +476,11 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
         if self.bnb_config_kwargs is not None and not self.load_in_4bit:
             raise ValueError(
                 "bnb_config_kwargs sets how a 4-bit base is quantized; it needs load_in_4bit (`adapter: qlora`)"
+            )
+        if self.skip_prepare_dataset and self.dataset_prepared_path:
+            raise ValueError(
+                "skip_prepare_dataset: true keeps no prepared copy of the datasets, and dataset_prepared_path names "
+                "a folder for one: give one of them"
             )
         if self.unfrozen_parameters:
             self._check_unfrozen_parameters()
