@@ -127,8 +127,8 @@ def test_duplicate_key_is_an_error(tmp_path):
     ("extra", "expected"),
     [
         (
-            "skip_prepare_dataset: true\n",
-            "Axolotl's `skip_prepare_dataset` (skipping dataset preparation) is not supported yet",
+            "trl:\n  async_prefetch: true\n",
+            "Axolotl's `trl.async_prefetch` (generating the next rollouts in the background",
         ),
         ("fp16: true\n", "Axolotl's `fp16` (float16 mixed precision) is not supported yet"),
     ],
