@@ -77,3 +77,11 @@ def test_the_old_message_field_names_are_the_property_mappings():
     assert (both.message_property_mappings.role, both.message_property_mappings.content) == ("from", "text")
     with pytest.raises(ConfigError, match="disagree"):
         dataset(message_field_role="from", message_property_mappings={"role": "speaker"})
+
+
+def test_skip_prepare_dataset_keeps_no_prepared_copy_so_it_cannot_name_one():
+    from config_files import parse_minimal, refusal_of
+
+    assert parse_minimal(skip_prepare_dataset=True).skip_prepare_dataset
+    message = refusal_of(skip_prepare_dataset=True, dataset_prepared_path="prepared")
+    assert "skip_prepare_dataset: true keeps no prepared copy of the datasets" in message
