@@ -289,7 +289,7 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
             "plugins: [axolotl.integrations.diffusion.DiffusionPlugin]\n",
             "plugin `axolotl.integrations.diffusion.DiffusionPlugin` (diffusion",
         ),
-        ("tokens: [<new>]\n", "`tokens` (adding tokens to the vocabulary)"),
+        ("lisa_n_layers: 4\n", "`lisa_n_layers` (LISA (training a few sampled layers))"),
         ("    shards: 4\n", "`datasets[0].shards` (training on a shard of the dataset)"),
         (
             "trl:\n  vllm_enable_sleep_mode: true\n",

@@ -162,26 +162,24 @@ def test_both_kinds_of_checkpointing_give_the_gradients_of_none(
 
 
 def test_embeddings_grow_to_a_multiple_of_32_only_where_axolotl_grows_them(qwen3_tokenizer):
+    from config_files import parse_minimal
     from tiny_models import tiny_model
 
+    full = parse_minimal(adapter=None, lora_target_linear=None, resize_token_embeddings_to_32x=True)
     length = len(qwen3_tokenizer)
     assert length % 32  # 151669: the case that grows
     model = tiny_model("qwen3", vocab_size=length, tie_word_embeddings=False)
-    note = loader_keys.pad_embeddings_to_32x(model, length, adapter=None)
     rows = -(-length // 32) * 32
-    assert (
-        note == f"resize_token_embeddings_to_32x: {length} embedding rows grown to {rows} (a multiple of 32)"
-    )
+    note = loader_keys.fit_embeddings(model, length, full)
+    assert note == f"embeddings: {length} rows grown to {rows} for the tokenizer's {length} tokens"
     assert (
         model.get_input_embeddings().num_embeddings == rows
         and model.get_output_embeddings().out_features == rows
     )
-    assert (
-        loader_keys.pad_embeddings_to_32x(model, length, adapter=None) is None
-    )  # large enough now: as it is
-    wide = tiny_model("qwen3", vocab_size=rows + 64)
-    assert loader_keys.pad_embeddings_to_32x(wide, length, adapter="lora") is None
+    assert loader_keys.fit_embeddings(model, length, full) is None  # large enough now: as it is
+    lora = parse_minimal(resize_token_embeddings_to_32x=True)
+    assert loader_keys.fit_embeddings(tiny_model("qwen3", vocab_size=rows + 64), length, lora) is None
     with pytest.raises(
-        ModelError, match=f"would grow the base's {length} embedding rows to {rows}, which an adapter"
+        ModelError, match=f"grows the {length} embedding rows to {rows}, whose embeddings must train"
     ):
-        loader_keys.pad_embeddings_to_32x(tiny_model("qwen3", vocab_size=length), length, adapter="qlora")
+        loader_keys.fit_embeddings(tiny_model("qwen3", vocab_size=length), length, lora)

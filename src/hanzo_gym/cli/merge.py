@@ -13,6 +13,7 @@ from hanzo_gym.errors import GymError
 from hanzo_gym.files import publish_directory
 from hanzo_gym.loops.train import load_run_tokenizer
 from hanzo_gym.model.hub import load_causal_lm, resolve_model
+from hanzo_gym.model.loader_keys import fit_embeddings
 from hanzo_gym.model.lora import merged_model
 
 
@@ -47,8 +48,11 @@ def merged_from(cfg: Config, adapter_dir: str | Path) -> tuple[PreTrainedModel, 
     base = load_causal_lm(
         cfg.base_model, dtype, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision_of_model
     )
+    tokenizer = load_run_tokenizer(cfg)
+    if cfg.tokens or cfg.resize_token_embeddings_to_32x:
+        fit_embeddings(base, len(tokenizer), cfg)  # the rows the trained embeddings (modules_to_save) have
     model = merged_model(PeftModel.from_pretrained(base, str(adapter_dir)))
-    return model, load_run_tokenizer(cfg)
+    return model, tokenizer
 
 
 def merge_run(cfg: Config, out: str | None = None, checkpoint: str | None = None) -> Path:

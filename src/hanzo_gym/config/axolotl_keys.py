@@ -19,7 +19,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "fsdp_version": ("the FSDP version", "multi-GPU data-parallel training runs under torchrun"),
     "sdp_attention": ("the torch SDPA attention switch", "remove it; models load with sdpa already"),
     "xformers_attention": ("xFormers attention kernels", "remove it; models load with sdpa"),
-    "tokens": ("adding tokens to the vocabulary", "remove it"),
     "peft_use_dora": ("DoRA (weight-decomposed LoRA)", "remove it; vLLM does not serve DoRA adapters"),
     "early_stopping_patience": ("stopping when the eval loss stops improving", "remove it"),
     "remove_unused_columns": (

@@ -226,6 +226,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     )
     load_in_8bit: bool = False  # LoRA on a frozen base in bitsandbytes' 8-bit (LLM.int8()) layers
     resize_token_embeddings_to_32x: bool = False  # Axolotl's: grow the embeddings to a multiple of 32 rows
+    tokens: list[str] | None = None  # added to the vocabulary (their embeddings must train)
     quantize_moe_experts: bool = False  # with load_in_4bit: an MoE model's stacked expert weights in NF4 too
     bnb_config_kwargs: BnbConfigKwargs | None = None
     # full fine-tuning of only the parameters these name patterns match (model/unfreeze.py)

@@ -44,7 +44,12 @@ class TrainerPosition:
 _FLAGS_WHEN_SET = frozenset(
     {"load_in_4bit", "load_in_8bit", "peft_use_rslora", "full_fine_tuning", "quantize_moe_experts"}
 )
-_WRITTEN_WHEN_SET = _FLAGS_WHEN_SET | {"revision_of_model", "unfrozen_parameters", "bnb_config_kwargs"}
+_WRITTEN_WHEN_SET = _FLAGS_WHEN_SET | {
+    "revision_of_model",
+    "unfrozen_parameters",
+    "bnb_config_kwargs",
+    "tokens",
+}
 
 
 def adapter_fingerprint(cfg: Config) -> dict:
@@ -63,6 +68,7 @@ def adapter_fingerprint(cfg: Config) -> dict:
         **({"revision_of_model": cfg.revision_of_model} if cfg.revision_of_model else {}),
         **({"unfrozen_parameters": cfg.unfrozen_parameters} if cfg.unfrozen_parameters else {}),
         **({"bnb_config_kwargs": cfg.bnb_4bit_settings} if cfg.bnb_4bit_settings else {}),
+        **({"tokens": cfg.tokens} if cfg.tokens else {}),
     }
 
 

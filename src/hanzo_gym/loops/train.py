@@ -48,7 +48,7 @@ from hanzo_gym.model.loader_keys import (
     attention_kernel,
     check_loader_class,
     enable_checkpointing,
-    pad_embeddings_to_32x,
+    fit_embeddings,
 )
 from hanzo_gym.model.lora import attach_lora, linear_module_names, load_trainable_lora, read_adapter_config
 from hanzo_gym.model.unfreeze import train_only_matching
@@ -91,9 +91,9 @@ def build_engine(
     offloading, checkpointing, offload_note = activation_memory_plan(cfg, device)
     if offload_note and is_main():
         print(offload_note, flush=True)
-    if cfg.resize_token_embeddings_to_32x:
+    if cfg.tokens or cfg.resize_token_embeddings_to_32x:
         tokenizer_length = len(tokenizer if tokenizer is not None else load_run_tokenizer(cfg))
-        note = pad_embeddings_to_32x(model, tokenizer_length, cfg.adapter)
+        note = fit_embeddings(model, tokenizer_length, cfg)
         if note and is_main():
             print(note, flush=True)
     if checkpointing:
@@ -211,13 +211,15 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
 
 
 def load_run_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
-    """The tokenizer the config names (tokenizer_config, or base_model's at revision_of_model), special_tokens set."""
+    """The tokenizer the config names (tokenizer_config, or base_model's at revision_of_model), with `tokens` added
+    and special_tokens set."""
     return load_tokenizer(
         cfg.base_model,
         cfg.tokenizer_config,
         cfg.special_token_roles,
         cfg.trust_remote_code,
         cfg.revision_of_model,
+        cfg.tokens,
     )
 
 

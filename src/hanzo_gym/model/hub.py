@@ -198,11 +198,14 @@ def load_tokenizer(
     special_tokens: dict[str, str] | None = None,
     trust_remote_code: bool = False,
     revision: str | None = None,
+    new_tokens: list[str] | None = None,
 ) -> transformers.PreTrainedTokenizerBase:
     """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from base_model, with
     Axolotl's `special_tokens` (role → token text, e.g. {"eos_token": "<|eot_id|>"}) set. `trust_remote_code`
     lets a tokenizer class defined in the repository's own Python files load (transformers runs that code).
-    `revision` is base_model's (`revision_of_model`), so it applies where the tokenizer is base_model's own."""
+    `revision` is base_model's (`revision_of_model`), so it applies where the tokenizer is base_model's own.
+    `new_tokens` (Axolotl's `tokens`) are added to the vocabulary first, matched as written (not normalized, no
+    whitespace stripped), as Axolotl adds them; special_tokens may then name them."""
     if tokenizer_config is None or tokenizer_config == base_model:
         source, name = resolve_model(base_model, trust_remote_code, revision), base_model
     else:
@@ -215,13 +218,19 @@ def load_tokenizer(
             "set tokenizer_config to a directory or hub repo that has them"
         )
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if new_tokens:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens(
+            [AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in new_tokens]
+        )
     vocabulary = tokenizer.get_vocab()
     for role, text in (special_tokens or {}).items():
         if text not in vocabulary:
             raise ModelError(
-                f"special_tokens.{role}: {text!r} is not in the vocabulary of `{name}`; adding a token "
-                "(Axolotl's `tokens`, with lora_modules_to_save to train its embedding) is not supported yet: "
-                "use a token the tokenizer has"
+                f"special_tokens.{role}: {text!r} is not in the vocabulary of `{name}`: add it with `tokens` "
+                "(its embedding must then train: lora_modules_to_save with an adapter), or use a token the "
+                "tokenizer has"
             )
         setattr(tokenizer, role, text)
     if tokenizer.pad_token is None:

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from hanzo_gym.errors import ModelError
+
+if TYPE_CHECKING:
+    from hanzo_gym.config import Config
 
 AUTO_CLASSES = {"model_type": "AutoModelForCausalLM", "tokenizer_type": "AutoTokenizer"}
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -77,20 +81,37 @@ def enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
         model.enable_input_require_grads()
 
 
-def pad_embeddings_to_32x(model: torch.nn.Module, tokenizer_length: int, adapter: str | None) -> str | None:
-    """Axolotl's `resize_token_embeddings_to_32x`: grow the embedding matrix (and the output layer) to the
-    tokenizer's length rounded up to a multiple of 32, only when it has fewer rows, with transformers' mean
-    initialisation of the new rows, as Axolotl does; a line to print when it grew. An adapter cannot carry
-    new rows of the base (vLLM and `gym merge` apply it to the base as published), so that fails."""
+def fit_embeddings(model: torch.nn.Module, tokenizer_length: int, cfg: Config) -> str | None:
+    """Make the embedding matrix (and the output layer) hold the tokenizer's vocabulary, `tokens` included, as
+    Axolotl does: grown only when it has fewer rows than the tokenizer's length (rounded up to a multiple of 32
+    under `resize_token_embeddings_to_32x`), the new rows at the mean of the old (transformers' default).
+    A line to print when it grew. Added tokens (in new rows or in rows the model had spare) start untrained,
+    so under an adapter the embeddings must train beside it (lora_modules_to_save); a grown matrix could not
+    be carried to the published base otherwise either. That fails, naming the modules."""
     rows = model.get_input_embeddings().num_embeddings
-    wanted = math.ceil(tokenizer_length / 32) * 32
-    if rows >= wanted:
+    wanted = math.ceil(tokenizer_length / 32) * 32 if cfg.resize_token_embeddings_to_32x else tokenizer_length
+    grows = rows < wanted
+    if cfg.adapter and (grows or cfg.tokens):
+        missing = [m for m in _embedding_module_names(model) if m not in (cfg.lora_modules_to_save or [])]
+        if missing:
+            why = (
+                f"tokens adds {len(cfg.tokens)} to the vocabulary"
+                if cfg.tokens
+                else f"resize_token_embeddings_to_32x grows the {rows} embedding rows to {wanted}"
+            )
+            raise ModelError(
+                f"{why}, whose embeddings must train, and `adapter: {cfg.adapter}` trains only LoRA matrices: "
+                f"add {', '.join(f'`{m}`' for m in missing)} to lora_modules_to_save (trained and saved whole "
+                "beside the adapter), or fine-tune fully"
+            )
+    if not grows:
         return None  # Axolotl leaves a matrix that is large enough as it is
-    if adapter:
-        raise ModelError(
-            f"resize_token_embeddings_to_32x would grow the base's {rows} embedding rows to {wanted}, which an "
-            f"adapter (`adapter: {adapter}`) trained on it cannot carry to the published base: remove it, or "
-            "fine-tune fully"
-        )
     model.resize_token_embeddings(wanted)
-    return f"resize_token_embeddings_to_32x: {rows} embedding rows grown to {wanted} (a multiple of 32)"
+    return f"embeddings: {rows} rows grown to {wanted} for the tokenizer's {tokenizer_length} tokens"
+
+
+def _embedding_module_names(model: torch.nn.Module) -> list[str]:
+    """The short names (`embed_tokens`, `lm_head`) of the model's input and output embedding modules."""
+    order = {id(model.get_input_embeddings()): 0, id(model.get_output_embeddings()): 1}
+    found = {order[id(m)]: name.rsplit(".", 1)[-1] for name, m in model.named_modules() if id(m) in order}
+    return [found[i] for i in sorted(found)]
