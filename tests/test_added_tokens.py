@@ -9,7 +9,7 @@ import json
 import torch
 import yaml
 from config_files import write_tiny_run
-from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hanzo_gym.cli import main
@@ -48,8 +48,8 @@ def test_added_tokens_train_in_the_saved_modules_and_merge_into_a_larger_model(
     assert len(tokenizer) == rows
     ids = tokenizer.encode("<scratch>3 + 2</scratch>", add_special_tokens=False)
     assert ids[0] == rows - 2 and ids[-1] == rows - 1  # each one token, as written
-    with safe_open(str(run / "adapter_model.safetensors"), "pt") as saved:
-        embedding = next(saved.get_tensor(k) for k in saved.keys() if "embed_tokens" in k)
+    saved = load_file(str(run / "adapter_model.safetensors"))
+    embedding = next(tensor for name, tensor in saved.items() if "embed_tokens" in name)
     assert embedding.shape[0] == rows
 
     assert main(["merge", str(config), "--out", str(tmp_path / "merged")]) == 0
