@@ -1,5 +1,6 @@
-"""Axolotl's `quantize_moe_experts` (issue 13): an MoE model's stacked expert weights in NF4 as they load, beside
-QLoRA's 4-bit linear layers; the frozen experts compute what bitsandbytes' own NF4 round trip of them computes."""
+"""Axolotl's `quantize_moe_experts` (issue 13): an MoE model's stacked expert weights quantized as they load, to
+NF4 beside QLoRA's 4-bit linear layers or to int8 rows beside an 8-bit base; the frozen experts compute what
+bitsandbytes' own round trip of them computes."""
 
 from __future__ import annotations
 
@@ -44,6 +45,28 @@ def test_the_experts_load_as_nf4_of_their_saved_values(tiny_moe):
     assert plain.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32  # what the key changes
 
 
+def test_beside_an_8bit_base_the_experts_are_int8_rows_dequantized_once_per_forward(tiny_moe, monkeypatch):
+    from hanzo_gym.model import moe_quant
+
+    directory, saved = tiny_moe
+    model = load_causal_lm(str(directory), torch.float32, load_in_8bit=True, quantize_moe_experts=True)
+    for name in EXPERT_TENSORS:
+        path, _, tensor = name.rpartition(".")
+        experts = model.get_submodule(path)
+        assert experts.parametrizations[tensor].original.dtype == torch.int8
+        original = saved.get_parameter(name).detach()
+        rows = original.reshape(-1, original.shape[-1]).to(torch.float16)
+        int8, stats, _ = bnb_functional.int8_vectorwise_quant(rows)
+        expected = bnb_functional.int8_vectorwise_dequant(int8, stats).reshape(original.shape)
+        torch.testing.assert_close(getattr(experts, tensor), expected, rtol=0, atol=0)
+    calls = []
+    forward = moe_quant.Int8Rows.forward
+    monkeypatch.setattr(moe_quant.Int8Rows, "forward", lambda self, q: calls.append(1) or forward(self, q))
+    with torch.no_grad():
+        model(torch.tensor([list(range(3, 40))]))
+    assert len(calls) == len(EXPERT_TENSORS)  # each expert tensor once, not once per expert read
+
+
 def test_a_dense_model_has_no_experts_to_quantize(tiny_dir):
     with pytest.raises(
         ModelError, match=r"quantize_moe_experts: base_model .* has no stacked MoE expert weights"
@@ -51,8 +74,13 @@ def test_a_dense_model_has_no_experts_to_quantize(tiny_dir):
         load_causal_lm(tiny_dir, torch.float32, load_in_4bit=True, quantize_moe_experts=True)
 
 
-def test_qlora_with_quantized_experts_trains_and_its_gradients_are_the_dequantized_models(
-    tiny_moe, tmp_path, chat_data
+@pytest.mark.parametrize(
+    "keys",
+    [{"adapter": "qlora", "load_in_4bit": True}, {"adapter": "lora", "load_in_8bit": True}],
+    ids=["nf4", "int8"],
+)
+def test_lora_with_quantized_experts_trains_and_its_gradients_are_the_dequantized_models(
+    keys, tiny_moe, tmp_path, chat_data
 ):
     from torch.nn.utils import parametrize
 
@@ -61,12 +89,7 @@ def test_qlora_with_quantized_experts_trains_and_its_gradients_are_the_dequantiz
     from hanzo_gym.records import Datum, ModelInput
 
     directory, _ = tiny_moe
-    keys = {
-        "adapter": "qlora",
-        "load_in_4bit": True,
-        "quantize_moe_experts": True,
-        "lora_target_linear": None,
-    }
+    keys = {**keys, "quantize_moe_experts": True, "lora_target_linear": None}
     config = write_tiny_run(
         tmp_path, directory, chat_data, lora_target_modules=["q_proj", "v_proj"], **keys, max_steps=2
     )
@@ -94,11 +117,7 @@ def test_qlora_with_quantized_experts_trains_and_its_gradients_are_the_dequantiz
 @pytest.mark.parametrize(
     ("keys", "expected"),
     [
-        ({"quantize_moe_experts": True}, "quantize_moe_experts quantizes a 4-bit base's experts too"),
-        (
-            {"quantize_moe_experts": True, "load_in_8bit": True},
-            "`quantize_moe_experts` with `load_in_8bit` (int8 experts) is not supported yet",
-        ),
+        ({"quantize_moe_experts": True}, "quantize_moe_experts quantizes a 4- or 8-bit base's experts too"),
         (
             {"quantize_moe_experts": True, "load_in_4bit": True, "adapter": "qlora"},
             "lora_target_linear does not go with quantize_moe_experts",

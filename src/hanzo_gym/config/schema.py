@@ -227,7 +227,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     load_in_8bit: bool = False  # LoRA on a frozen base in bitsandbytes' 8-bit (LLM.int8()) layers
     resize_token_embeddings_to_32x: bool = False  # Axolotl's: grow the embeddings to a multiple of 32 rows
     tokens: list[str] | None = None  # added to the vocabulary (their embeddings must train)
-    quantize_moe_experts: bool = False  # with load_in_4bit: an MoE model's stacked expert weights in NF4 too
+    quantize_moe_experts: bool = False  # an MoE model's stacked expert weights in NF4 / int8 too
     bnb_config_kwargs: BnbConfigKwargs | None = None
     # full fine-tuning of only the parameters these name patterns match (model/unfreeze.py)
     unfrozen_parameters: list[str] | None = None
@@ -460,14 +460,10 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                 )
             self.bf16 = True
         if self.quantize_moe_experts:
-            if self.load_in_8bit:
+            if not (self.load_in_4bit or self.load_in_8bit):
                 raise ValueError(
-                    "`quantize_moe_experts` with `load_in_8bit` (int8 experts) is not supported yet; use "
-                    "`adapter: qlora` with `load_in_4bit: true` (NF4 experts)"
-                )
-            if not self.load_in_4bit:
-                raise ValueError(
-                    "quantize_moe_experts quantizes a 4-bit base's experts too: it needs load_in_4bit"
+                    "quantize_moe_experts quantizes a 4- or 8-bit base's experts too: it needs load_in_4bit "
+                    "(`adapter: qlora`) or load_in_8bit (`adapter: lora`)"
                 )
             if self.lora_target_linear:  # Axolotl's rule: a fused expert tensor is no linear layer to adapt
                 raise ValueError(

@@ -261,7 +261,8 @@ def load_causal_lm(
     `trust_remote_code` (Axolotl's key, passed to from_pretrained as Axolotl does) lets a model whose
     config.json maps AutoModelForCausalLM to the repository's own Python code load: transformers runs it.
     `revision` picks a branch, tag or commit of a hub base_model (`revision_of_model`). `quantize_moe_experts`
-    (with load_in_4bit) quantizes the MoE layers' stacked expert weights to NF4 as they load (model/moe_quant.py);
+    quantizes the MoE layers' stacked expert weights as they load, to NF4 with load_in_4bit and to int8 rows with
+    load_in_8bit (model/moe_quant.py);
     a model without such weights fails, since the key would do nothing. `bnb_4bit` overrides the 4-bit
     settings (Axolotl's `bnb_config_kwargs`: `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`)."""
     model_dir = resolve_model(base_model, trust_remote_code, revision)
@@ -277,7 +278,11 @@ def load_causal_lm(
         if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
             placement["device_map"] = {"": str(device)}
     try:
-        with quantizing_experts_on_load() if quantize_moe_experts else contextlib.nullcontext([]) as experts:
+        with (
+            quantizing_experts_on_load(4 if load_in_4bit else 8)
+            if quantize_moe_experts
+            else contextlib.nullcontext([]) as experts
+        ):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement)
         if quantize_moe_experts and not experts:
             raise ModelError(
