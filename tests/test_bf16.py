@@ -445,3 +445,15 @@ def test_the_tinker_client_and_gym_serve_stay_fp32_on_a_cpu_without_native_bf16(
     host = ModelHost(tiny_dir)
     assert host.precision.describe() == "precision: fp32 (CPU has neither avx512_bf16 nor amx_bf16)"
     assert ModelHost(tiny_dir, dtype=torch.bfloat16).precision.describe() == "precision: bf16 (as asked)"
+
+
+def test_checkpointed_layers_recompute_in_the_forwards_dtypes_under_autocast():
+    """torch recomputes a checkpointed layer under the forward's autocast state; the LoRA layers' input casting
+    must follow it, or the recomputed tensors' dtypes differ from the forward's and the backward pass fails."""
+    datums = _datums()
+    plain, checkpointed = _engine(torch.bfloat16), _engine(torch.bfloat16)
+    checkpointed.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain.forward_backward(datums)
+    checkpointed.forward_backward(datums)
+    for want, got in zip(plain.trainable, checkpointed.trainable, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)  # the same bf16 ops, recomputed

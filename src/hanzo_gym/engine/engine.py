@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel
-from peft.helpers import disable_input_dtype_casting
+from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.engine.distributed import sync_gradients
@@ -62,6 +62,8 @@ class Engine:
         self.model = model
         self.activation_offloading = activation_offloading
         self.autocast_dtype = autocast_dtype or mixed_precision_dtype(model)
+        if self.autocast_dtype is not None:
+            _let_autocast_cast_lora_inputs(model)
         self._optimizer_factory = optimizer_factory
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -341,9 +343,7 @@ class Engine:
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype) if mixed else contextlib.nullcontext()
         )
-        # Under autocast the LoRA matmuls take the activations as they come, and autocast casts the (small) fp32
-        # adapter matrices to the compute dtype, instead of PEFT casting every activation up to fp32.
-        with offload, autocast, disable_input_dtype_casting(self.model, active=mixed):
+        with offload, autocast:
             hidden = self._packed_hidden(datums)
         targets = self._concat(datums, "target_tokens", torch.long)
         weight = self._output_weight
@@ -403,6 +403,22 @@ class Engine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": adam.learning_rate}
+
+
+def _let_autocast_cast_lora_inputs(model: torch.nn.Module) -> None:
+    """Under autocast each LoRA matmul takes the activations as they come and autocast casts the small fp32
+    adapter matrices, instead of PEFT casting every activation up to fp32; outside it (the sampler) PEFT casts
+    as usual. Decided per call, so a checkpointed layer's recomputation, which torch runs under the forward's
+    autocast state, computes in the same dtypes as the forward did."""
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer) and not getattr(module, "_gym_autocast_hook", False):
+            module._gym_autocast_hook = True
+            module.register_forward_pre_hook(_cast_lora_input_unless_autocast)
+
+
+def _cast_lora_input_unless_autocast(module: torch.nn.Module, inputs: tuple) -> None:
+    device = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
+    module.cast_input_dtype_enabled = not torch.is_autocast_enabled(device)
 
 
 def mixed_precision_dtype(model: torch.nn.Module) -> torch.dtype | None:
