@@ -6,7 +6,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
+from hanzo_gym.model.hub import choose_precision
 from hanzo_gym.tinker.paths import resolve
 
 pytestmark = pytest.mark.real_model
@@ -63,6 +65,10 @@ def test_dpo_loop_over_forward_backward_custom_learns_to_prefer_the_right_sum(in
     losses = [
         float(line.split("dpo loss ")[1].split()[0]) for line in printed.splitlines() if "dpo loss" in line
     ]
-    assert losses[0] == pytest.approx(0.6931, abs=1e-3)  # log 2: policy = reference before the first step
+    # log 2: policy = reference before the first step. The example runs at the machine's precision: in bf16 the
+    # reference (compute_logprobs, one sequence a pass) and the policy (packed passes) round differently,
+    # measured 0.0026 off; fp32 agrees to 1e-6.
+    bf16 = choose_precision("auto").dtype == torch.bfloat16
+    assert losses[0] == pytest.approx(0.6931, abs=1e-2 if bf16 else 1e-3)
     assert losses[-1] < losses[0]
     assert final >= 0.75 and final > before
