@@ -7,7 +7,6 @@ import http.client
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 import torch
+from tinker_serve import gym_serve_command
 
 from hanzo_gym import tinker
 from hanzo_gym.cli import main
@@ -587,18 +587,7 @@ def test_bad_methods_lengths_and_the_openai_client_errors(server, client, tiny_d
 
 # -- the command ----------------------------------------------------------------------------------------------
 def test_gym_serve_prints_its_address_and_answers(tiny_dir, engine):
-    command = [
-        sys.executable,
-        "-m",
-        "hanzo_gym.cli",
-        "serve",
-        "--model",
-        tiny_dir,
-        "--port",
-        "0",
-        "--bf16",
-        "false",
-    ]
+    command = gym_serve_command(tiny_dir)
     process = subprocess.Popen(
         [*command, "--adapter", f"tuned={engine.directory}"], stdout=subprocess.PIPE, text=True
     )

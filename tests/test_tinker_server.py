@@ -611,3 +611,36 @@ def test_requests_run_in_seq_id_order_whatever_order_they_come_in(server, refere
     monkeypatch.setattr("hanzo_gym.serve.tinker_api.SEQ_GAP_SECONDS", 0.2)
     late = post(server, "optim_step", {"model_id": model_id, "seq_id": 9, "adam_params": ADAM})
     assert "grad_norm" in result_of(server, late).json()["metrics"]
+
+
+def test_the_sdk_trains_a_bf16_gym_serve_like_the_in_process_bf16_client(tiny_dir, tmp_path, monkeypatch):
+    """`gym serve --bf16 true` (what `auto` picks on a CPU with avx512_bf16 or AMX) through the official SDK: the
+    same bf16 engine as the in-process client's, so the same losses, and not fp32's."""
+    monkeypatch.setenv("TINKER_API_KEY", "tml-bf16-test")
+    process, url = start_gym_serve(tiny_dir, tmp_path / "runs", SERVED_NAME, bf16="true")
+    data = [sdk_datum(s) for s in SENTENCES]
+    losses = {}
+    try:
+        remote = (
+            tinker.ServiceClient(base_url=url)
+            .create_lora_training_client(SERVED_NAME, rank=4, seed=0)
+            .result()
+        )
+        for dtype in (torch.bfloat16, torch.float32):
+            with gym_tinker.ServiceClient(root=tmp_path / str(dtype), dtype=dtype) as service:
+                local = service.create_lora_training_client(tiny_dir, rank=4, seed=0)
+                losses[dtype] = local.forward_backward(
+                    [gym_datum(s) for s in SENTENCES], "cross_entropy"
+                ).result()
+                local.optim_step(gym_types.AdamParams(**ADAM)).result()
+                losses[dtype, "after"] = local.forward(
+                    [gym_datum(s) for s in SENTENCES], "cross_entropy"
+                ).result()
+        assert_same_output(remote.forward_backward(data, "cross_entropy").result(), losses[torch.bfloat16])
+        remote.optim_step(types.AdamParams(**ADAM)).result()
+        after = remote.forward(data, "cross_entropy").result()
+    finally:
+        stop(process)
+    assert_same_output(after, losses[torch.bfloat16, "after"])
+    fp32 = losses[torch.float32, "after"].metrics["loss:sum"]
+    assert after.metrics["loss:sum"] != fp32 and after.metrics["loss:sum"] == pytest.approx(fp32, rel=2e-2)

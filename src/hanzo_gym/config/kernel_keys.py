@@ -1,11 +1,11 @@
 """Axolotl's kernel keys and plugins that change how fast a step runs or how much memory it holds, never what
 it computes: Cut Cross Entropy, Liger's fused kernels, Axolotl's LoRA kernels, its fused RMSNorm + RoPE
 attention kernel, xFormers' fused SwiGLU MLP, Gemma 4's per-layer mix of attention kernels, the Hugging Face
-kernels plugin (MoE grouped GEMMs) and torch.compile. hanzo-gym runs the model's own PyTorch modules and its chunked loss instead, which
-compute the same function, so a config that asks for them trains as written; the run's first lines say, once
-per group, what runs in their place (`kernel_notes`). This is the rule the optimizers follow (a fused or 8-bit
-AdamW falls back to plain AdamW, the same update rule). A plugin or key that changes the result (a loss of
-its own, quantized experts, token scaling) is refused by name.
+kernels plugin (MoE grouped GEMMs) and torch.compile. hanzo-gym runs the model's own PyTorch modules and its
+chunked loss instead, which compute the same function, so a config that asks for them trains as written; the
+run's first lines say, once per group, what runs in their place (`kernel_notes`). This is the rule the
+optimizers follow (a fused or 8-bit AdamW falls back to plain AdamW, the same update rule). A plugin or key
+that changes the result (a loss of its own, token scaling) is refused by name.
 """
 
 from __future__ import annotations

@@ -307,9 +307,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
     flash_attention: bool | None = None
     model_type: str | None = None  # Axolotl's model class, checked against what base_model loads as
     tokenizer_type: str | None = None  # Axolotl's tokenizer class, likewise
-    gradient_checkpointing: bool | Literal["offload"] = (
-        False  # offload: Axolotl's older activation_offloading
-    )
+    # `offload`: Axolotl's older spelling of true plus activation_offloading
+    gradient_checkpointing: bool | Literal["offload"] = False
     gradient_checkpointing_kwargs: CheckpointingKwargs = CheckpointingKwargs()
     # saved activations in host memory until the backward pass; legacy / hidden_states are Axolotl's variants
     activation_offloading: bool | Literal["legacy", "hidden_states"] = False

@@ -30,10 +30,8 @@ class ModelHost:
         bf16 where the device multiplies it natively, else fp32), and `precision` says which and why. On bf16
         the adapters stay fp32 (PEFT's autocast of adapter weights), the mixed recipe `gym train` uses."""
         auto = choose_precision("auto")
-        if device is not None and device.type != auto.device.type:
-            auto = Precision(
-                device, torch.float32, f"on {device.type}"
-            )  # auto's choice was for another device
+        if device is not None and device.type != auto.device.type:  # auto's choice was for another device
+            auto = Precision(device, torch.float32, f"on {device.type}")
         self.precision = Precision(
             device or auto.device,
             dtype or auto.dtype,

@@ -137,9 +137,8 @@ def build_engine(
             cfg.peft_use_rslora,
             cfg.lora_modules_to_save,
         )
-    if (
-        cfg.revision_of_model
-    ):  # adapter_config.json's `revision`: the base it was trained on, as PEFT records it
+    # adapter_config.json's `revision`: the base it was trained on, as PEFT records it
+    if cfg.revision_of_model:
         peft_model.peft_config["default"].revision = cfg.revision_of_model
     return Engine(
         peft_model, tokenizer, optimizer_factory=optimizer_factory, activation_offloading=offloading

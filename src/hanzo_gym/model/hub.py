@@ -262,8 +262,7 @@ def load_causal_lm(
     config.json maps AutoModelForCausalLM to the repository's own Python code load: transformers runs it.
     `revision` picks a branch, tag or commit of a hub base_model (`revision_of_model`). `quantize_moe_experts`
     quantizes the MoE layers' stacked expert weights as they load, to NF4 with load_in_4bit and to int8 rows with
-    load_in_8bit (model/moe_quant.py);
-    a model without such weights fails, since the key would do nothing. `bnb_4bit` overrides the 4-bit
+    load_in_8bit (model/moe_quant.py); a model without such weights fails, since the key would do nothing. `bnb_4bit` overrides the 4-bit
     settings (Axolotl's `bnb_config_kwargs`: `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`)."""
     model_dir = resolve_model(base_model, trust_remote_code, revision)
     _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
@@ -287,7 +286,7 @@ def load_causal_lm(
         if quantize_moe_experts and not experts:
             raise ModelError(
                 f"quantize_moe_experts: base_model `{base_model}` has no stacked MoE expert weights (3-D "
-                "parameters named for experts) to quantize; load_in_4bit quantizes its linear layers already: "
+                "parameters named for experts) to quantize; 4- or 8-bit loading quantizes its linear layers already: "
                 "remove the key"
             )
         if load_in_4bit:
