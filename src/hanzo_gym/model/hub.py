@@ -34,6 +34,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hanzo_gym.errors import ModelError
+from hanzo_gym.model.lean_load import reading_tensors_by_pread
 from hanzo_gym.model.moe_quant import quantizing_experts_on_load
 
 logger = logging.getLogger(__name__)
@@ -280,7 +281,8 @@ def load_causal_lm(
         with (
             quantizing_experts_on_load(4 if load_in_4bit else 8)
             if quantize_moe_experts
-            else contextlib.nullcontext([]) as experts
+            else contextlib.nullcontext([]) as experts,
+            reading_tensors_by_pread(model_dir, dtype),
         ):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement)
         if quantize_moe_experts and not experts:
