@@ -67,8 +67,10 @@ def test_the_trained_copies_get_the_gradient_plain_peft_gives(base, tmp_path, ch
         nll.backward()
         total += float(nll)
     assert loss == pytest.approx(total, rel=1e-5)
+    # The output layer's gradient is summed over chunks of 64 positions (Qwen3's vocabulary) in fp32, the
+    # reference's in one matmul: measured 9e-6 apart at most, 3 of 4.9M entries beyond 1e-6
     for name, parameter in copies.items():
-        torch.testing.assert_close(ours[name], parameter.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(ours[name], parameter.grad, rtol=1e-4, atol=2e-5)
 
 
 def test_a_run_trains_the_copies_saves_resumes_and_merges(base, tmp_path, chat_data, qwen3_tokenizer):

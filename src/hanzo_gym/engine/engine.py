@@ -24,6 +24,7 @@ from hanzo_gym.engine.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
 from hanzo_gym.engine.offload import HostOffload
 from hanzo_gym.engine.optimizers import OptimizerFactory, plain_adamw, state_as_tensors, state_for_optimizer
 from hanzo_gym.engine.prefix_sharing import shared_layout
+from hanzo_gym.engine.row_buckets import bucket_length, pads_rows
 from hanzo_gym.engine.sampling import sample_groups
 from hanzo_gym.engine.token_logprobs import token_logprobs, token_logprobs_with_log_sum_sq
 from hanzo_gym.errors import GymError
@@ -50,7 +51,7 @@ class Engine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None = None,
         max_tokens_per_pass: int | None = None,
-        logprob_chunk: int = 1024,
+        logprob_chunk: int | None = None,
         optimizer_factory: OptimizerFactory = plain_adamw,
         activation_offloading: bool = False,
         autocast_dtype: torch.dtype | None = None,
@@ -58,7 +59,9 @@ class Engine:
         """`activation_offloading`: keep the decoder's saved activations in host memory until the backward pass
         (engine/offload.py), trading transfer time for device memory. `autocast_dtype`: run the decoder under
         torch.autocast in that dtype (mixed precision over fp32 weights); the output layer and the losses stay
-        fp32. By default an fp32 adapter over a bf16 (or fp16) base runs so (`mixed_precision_dtype`)."""
+        fp32. By default an fp32 adapter over a bf16 (or fp16) base runs so (`mixed_precision_dtype`).
+        `logprob_chunk`: positions per chunk of the output layer, by default sized to the vocabulary
+        (token_logprobs.chunk_rows)."""
         self.model = model
         self.activation_offloading = activation_offloading
         self.autocast_dtype = autocast_dtype or mixed_precision_dtype(model)
@@ -89,8 +92,9 @@ class Engine:
             raise GymError(f"{config.model_type}: output logits with `{scaled[0]}` are not supported yet")
         self._decoder = causal_lm.get_decoder()
         self._causal_lm = causal_lm
-        self.packs_datums = False  # the check below scores on the plain path
+        self.packs_datums = self._pads_rows = False  # the check below scores on the plain path
         self.packs_datums = self._packing_is_exact()
+        self._pads_rows = self.packs_datums and pads_rows(self._decoder, self.device, self.autocast_dtype)
         if not self.packs_datums:
             warnings.warn(
                 f"{config.model_type} does not keep packed sequences apart: one datum per pass (slower)",
@@ -357,27 +361,31 @@ class Engine:
         return logprobs_N, {"entropy": entropy_N}
 
     def _packed_hidden(self, datums: list[Datum]) -> torch.Tensor:
-        """The decoder's last hidden states `[N, H]` of all datums' positions, one packed row."""
-        shared = (
-            shared_layout([d.model_input.to_ints() for d in datums], self.device)
-            if self.packs_datums
-            else None
-        )
+        """The decoder's last hidden states `[N, H]` of all datums' positions, one packed row (padded to a
+        bucket length where the matmuls run in oneDNN, engine/row_buckets.py)."""
+        inputs = [d.model_input.to_ints() for d in datums]
+        shared = shared_layout(inputs, self.device) if self.packs_datums else None
+        row = len(shared.tokens) if shared is not None else sum(len(tokens) for tokens in inputs)
+        padding = bucket_length(row) - row if self._pads_rows else 0
+        pad_positions = torch.arange(padding, device=self.device)
         if shared is not None:
+            causal = torch.ones(padding, padding, dtype=torch.bool, device=self.device).tril()
             output = self._decoder(
-                input_ids=shared.tokens[None],
-                position_ids=shared.positions[None],
-                attention_mask=shared.mask[None, None],
+                input_ids=torch.nn.functional.pad(shared.tokens, (0, padding))[None],
+                position_ids=torch.cat([shared.positions, pad_positions])[None],
+                attention_mask=torch.block_diag(shared.mask, causal)[None, None],
                 use_cache=False,
             )
             return output.last_hidden_state[0].index_select(0, shared.index)
-        tokens = torch.tensor([t for d in datums for t in d.model_input.to_ints()], device=self.device)
-        positions = torch.cat([torch.arange(len(d), device=self.device) for d in datums])[None]
-        # A lone datum takes the model's own default positions (some, like OPT, offset them internally).
+        tokens = torch.tensor([t for tokens in inputs for t in tokens] + [0] * padding, device=self.device)
+        # Packed datums restart their positions, and the pad tokens with them: a datum of their own. A lone
+        # unpadded datum takes the model's own default positions (some, like OPT, offset them internally).
+        positions = torch.cat([*(torch.arange(len(t), device=self.device) for t in inputs), pad_positions])
+        restarts = len(inputs) > 1 or padding > 0
         output = self._decoder(
-            input_ids=tokens[None], position_ids=positions if len(datums) > 1 else None, use_cache=False
+            input_ids=tokens[None], position_ids=positions[None] if restarts else None, use_cache=False
         )
-        return output.last_hidden_state[0]
+        return output.last_hidden_state[0, :row]
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Clip (when asked), take one AdamW step with these parameters, and clear the gradients.

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_CHUNK = 1024
+CHUNK_BYTES = 16 << 20  # one fp32 `[positions, vocab]` buffer; a chunk holds two at a time
+MIN_CHUNK, MAX_CHUNK = 64, 1024
+
+
+def chunk_rows(vocab: int) -> int:
+    """Positions per chunk for this vocabulary: as many as fit CHUNK_BYTES (85 for SmolLM2's 49152 tokens),
+    at least MIN_CHUNK, since each chunk reads the whole output weight again. On SmolLM2 a 176-position DPO
+    row's output layer peaked at 175 MB above the decoder in one 1024-position chunk, with a separate buffer
+    per operation, and steps ran no faster for it."""
+    return min(MAX_CHUNK, max(MIN_CHUNK, CHUNK_BYTES // (4 * vocab)))
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -28,17 +37,21 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = (hidden_NH[start:end] @ weight_VH.T).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            logsumexp_N[start:end] = lse
             picked = logits.gather(1, targets_N[start:end, None]).squeeze(1)
+            # One `[chunk, vocab]` buffer besides the logits, reused in place: this is the step's largest
+            # working set on a small model (SmolLM2's vocabulary is 49152 wide: 35 MB per 176 positions).
+            highest = logits.amax(-1, keepdim=True)
+            shifted = torch.sub(logits, highest).exp_()  # e^{s}, s = logits − max
+            total = shifted.sum(-1)
+            lse = total.log().add_(highest.squeeze(1))
+            logsumexp_N[start:end] = lse
             logprobs_N[start:end] = picked - lse
-            # H = lse − Σ p·logits
-            entropy_N[start:end] = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
             if with_log_sum_sq:
-                # log Σ e^{2s} − 2 log Σ e^{s} on s = logits − max, as TRL's kernel computes it: exp(logits − lse)
-                # would carry lse's rounding (an ulp of the logits' size) into every term
-                shifted = torch.exp(logits - logits.amax(-1, keepdim=True))
-                log_sum_sq_N[start:end] = shifted.square().sum(-1).log() - 2 * shifted.sum(-1).log()
+                # log Σ e^{2s} − 2 log Σ e^{s}, as TRL's kernel computes it: exp(logits − lse) would carry lse's
+                # rounding (an ulp of the logits' size) into every term
+                log_sum_sq_N[start:end] = shifted.square().sum(-1).log() - 2 * total.log()
+            # H = lse − Σ p·logits, p = e^{s} / Σ e^{s}
+            entropy_N[start:end] = lse - shifted.mul_(logits).sum(-1).div_(total)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, logsumexp_N)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(entropy_N, log_sum_sq_N)
@@ -60,7 +73,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             h = hidden_NH[rows]
             logits = (h @ weight_VH.T).float()
             # d logprob / d logits = onehot(target) - softmax
-            grad_logits = torch.exp(logits - logsumexp_N[rows, None]).mul_(-grad_N[rows, None])
+            grad_logits = logits.sub_(logsumexp_N[rows, None]).exp_().mul_(-grad_N[rows, None])
             grad_logits[torch.arange(rows.numel(), device=rows.device), targets_N[rows]] += grad_N[rows]
             grad_logits = grad_logits.to(hidden_NH.dtype)
             if need_hidden:
@@ -73,19 +86,21 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(
-    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int = DEFAULT_CHUNK
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ weightᵀ)[target] per position in fp32 (differentiable w.r.t. hidden and weight),
     and the entropy of each position's distribution (not differentiable)."""
+    chunk = chunk or chunk_rows(weight_VH.shape[0])
     logprobs_N, entropy_N, _ = _ChunkedTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk, False)
     return logprobs_N, entropy_N
 
 
 def token_logprobs_with_log_sum_sq(
-    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int = DEFAULT_CHUNK
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`token_logprobs`, plus log Σ_v π(v)² of each position's distribution in fp32, not differentiable: the
     alignment term of WPO's weights (TRL's `log_sum_sq_probs`), from the same chunks of logits."""
+    chunk = chunk or chunk_rows(weight_VH.shape[0])
     return _ChunkedTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk, True)
 
 
@@ -113,7 +128,7 @@ class PromptLogprobs:
 
 
 def prompt_logprobs(
-    model: torch.nn.Module, tokens: Sequence[int], top_k: int = 0, chunk: int = DEFAULT_CHUNK
+    model: torch.nn.Module, tokens: Sequence[int], top_k: int = 0, chunk: int | None = None
 ) -> PromptLogprobs:
     """Score a whole token sequence in one pass (no gradient, dropout off): each token's log-probability given
     the ones before it, and the `top_k` alternatives, returned on the CPU. Reductions run in fp32 whatever the
@@ -135,7 +150,8 @@ def prompt_logprobs(
             else:  # a scaled or capped head: let the model's own forward apply it
                 logits_TV = model(input_ids=input_ids).logits[0]
                 logits_of = lambda start, end: logits_TV[start:end].float()
-            return _scored_positions(logits_of, input_ids[0], top_k, chunk)
+            vocab = model.get_output_embeddings().weight.shape[0]
+            return _scored_positions(logits_of, input_ids[0], top_k, chunk or chunk_rows(vocab))
     finally:
         model.train(was_training)
 

@@ -34,6 +34,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hanzo_gym.errors import ModelError
+from hanzo_gym.model.host_memory import return_large_frees_to_the_system
 from hanzo_gym.model.lean_load import reading_tensors_by_pread
 from hanzo_gym.model.moe_quant import quantizing_experts_on_load
 
@@ -267,6 +268,7 @@ def load_causal_lm(
     settings (Axolotl's `bnb_config_kwargs`: `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`)."""
     model_dir = resolve_model(base_model, trust_remote_code, revision)
     _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
+    return_large_frees_to_the_system()  # from the load on: its converted tensors' buffers, then each step's
     placement: dict = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if trust_remote_code:
         placement["trust_remote_code"] = True
