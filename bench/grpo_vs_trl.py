@@ -1,6 +1,11 @@
-"""GRPO rollout-and-train throughput and memory: TRL's GRPOTrainer against hanzo-gym's GRPO loop on one workload.
+"""GRPO rollout-and-train throughput and memory: TRL's GRPOTrainer against hanzo-gym's GRPO loop on one workload,
+each in fp32 and in bf16, side by side in one run.
 
     python bench/grpo_vs_trl.py [--steps N] [--generations 8] [--max-completion-length 32] [--vllm]
+                                [--sides trl-fp32,trl-bf16,ours-fp32,ours-bf16]
+
+TRL's bf16 is its own `bf16=True` (autocast over fp32 weights, sampling included); ours is the mixed recipe (frozen
+base in bf16, which the sampler decodes from too; LoRA and AdamW state in fp32).
 
 --vllm: both sides sample through a colocated vLLM (TRL's `use_vllm=True, vllm_mode="colocate"`, ours
 `trl.use_vllm: true, vllm_mode: colocate`), each with VLLM_MEMORY of the device for vLLM; run it with the Python
@@ -22,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import add_side_arguments, compare_sides, finish_side, peak_rss_bytes
+from harness import SIDE_NAMES, add_side_arguments, finish_side, peak_rss_bytes, precision_sides, run_sides
 
 SEED = 42
 LORA_R, LORA_ALPHA = 16, 32
@@ -30,7 +35,9 @@ LORA_R, LORA_ALPHA = 16, 32
 # a step), close to the base model's over the timed steps: neither side's speed depends on what it learned.
 LEARNING_RATE = 1e-6
 PROMPT_COUNT = 16
-TARGET_SPEEDUP = 2.0
+TARGET_SPEEDUP = 2.0  # ours in fp32 against TRL in fp32
+# issue 16: ours at our best (bf16) against TRL in fp32, and against TRL at its best
+TARGET_BF16_OVER_TRL_FP32, TARGET_BF16_OVER_TRL_BEST = 6.0, 2.0
 # The reward both sides compute: 0 for a completion of at most LENGTH_LIMIT tokens (stop token included), else -1;
 # ours is the built-in `length:<n>`, TRL's the same rule as a Python function. A correctness or format reward is
 # 0 for nearly every sample of the base model, and our loop skips the update of a step whose advantages are all
@@ -64,7 +71,14 @@ def timed_window(step_end_times: list[float], step_completions: list[int]) -> di
 
 
 def run_trl(
-    model_dir: str, data_path: str, work_dir: str, steps: int, generations: int, max_new: int, vllm: bool
+    model_dir: str,
+    data_path: str,
+    work_dir: str,
+    steps: int,
+    generations: int,
+    max_new: int,
+    vllm: bool,
+    bf16: bool,
 ) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
@@ -105,9 +119,8 @@ def run_trl(
         learning_rate=LEARNING_RATE,
         beta=0.0,
         temperature=1.0,
-        # TRL's default bf16=True means bf16 autocast, and on CPU it refuses to start without use_cpu=True;
-        # the workload is fp32.
-        bf16=False,
+        # TRL's default bf16=True means bf16 autocast; on CPU it refuses to start without use_cpu=True.
+        bf16=bf16,
         use_cpu=True,
         seed=SEED,
         report_to="none",
@@ -149,6 +162,7 @@ def run_trl(
         "lr_scheduler_type": args.lr_scheduler_type.value,
         "attn_implementation": model.config._attn_implementation,
         "model dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "bf16": args.bf16,
     }
     loaded_rss = peak_rss_bytes()
     trainer.train()
@@ -158,11 +172,19 @@ def run_trl(
         "mean_length": sum(step_lengths[1:]) / len(step_lengths[1:]),
         "loaded_rss_bytes": loaded_rss,
         "settings": settings,
+        "precision": f"bf16 autocast, {settings['model dtype']} weights" if bf16 else settings["model dtype"],
     }
 
 
 def run_ours(
-    model_dir: str, data_path: str, work_dir: str, steps: int, generations: int, max_new: int, vllm: bool
+    model_dir: str,
+    data_path: str,
+    work_dir: str,
+    steps: int,
+    generations: int,
+    max_new: int,
+    vllm: bool,
+    bf16: bool,
 ) -> dict:
     import torch
 
@@ -192,7 +214,7 @@ def run_ours(
             "num_epochs": -(-steps // PROMPT_COUNT),  # enough passes over the prompts for `steps`
             "logging_steps": 1,
             "seed": SEED,
-            "bf16": False,
+            "bf16": bf16,
             "rl": "grpo",
             "trl": {
                 "num_generations": generations,
@@ -212,7 +234,8 @@ def run_ours(
     # The same steps as `gym train` (hanzo_gym.loops.train.run_training), split so that the load's RSS is seen.
     tokenizer = load_tokenizer(cfg.base_model)
     train = load_prompts(cfg, tokenizer).train
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32, tokenizer)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    engine = build_engine(cfg, torch.device("cpu"), dtype, tokenizer)
     run = RunDir(cfg.output_dir)
     loaded_rss = peak_rss_bytes()
     torch.manual_seed(cfg.seed)
@@ -226,13 +249,15 @@ def run_ours(
         "loaded_rss_bytes": loaded_rss,
         "sample_seconds": sum(row["time/sample"] for row in timed_rows),
         "train_seconds": sum(row["time/train"] for row in timed_rows),
+        "precision": "base bfloat16, LoRA + AdamW float32" if bf16 else "float32",
     }
 
 
-SIDES = {"trl": run_trl, "ours": run_ours}
+SIDES = precision_sides(run_trl, run_ours)
+NAMES = SIDE_NAMES
 
 
-def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
+def print_report(results: dict[str, dict], opts, load_at_start: float) -> None:
     def per_second(side: dict) -> float:
         return side["completions"] / side["seconds"]
 
@@ -244,44 +269,61 @@ def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
 
     timed_steps = opts.steps - 1
     print(
-        f"workload: SmolLM2-135M-Instruct (GGUF → fp32), LoRA r={LORA_R} alpha {LORA_ALPHA} all-linear, "
+        f"workload: SmolLM2-135M-Instruct (GGUF → fp32 on disk), LoRA r={LORA_R} alpha {LORA_ALPHA} all-linear, "
         f"{PROMPT_COUNT} single-digit addition prompts, 1 prompt × {opts.generations} generations per step, "
         f"max_completion_length {opts.max_completion_length}, temperature 1, beta 0, lr {LEARNING_RATE}, "
         f"reward length:{LENGTH_LIMIT}, CPU, steps 2..{opts.steps} timed"
-        + (f", rollouts on colocated vLLM (memory share {VLLM_MEMORY}) on both sides" if opts.vllm else "")
+        + (f", rollouts on colocated vLLM (memory share {VLLM_MEMORY}) on every side" if opts.vllm else "")
     )
     # completions/s is only comparable between runs on an otherwise idle machine
+    print(f"machine: {os.cpu_count()} CPUs, 1-minute load average at start {load_at_start:.2f}")
+    ran = {key: side for key, side in results.items() if "failed" not in side}
     print(
-        f"machine: {os.cpu_count()} CPUs, 1-minute load average at start {load_at_start:.2f}, "
-        f"before TRL {trl['load_at_start']:.2f}, before hanzo-gym {ours['load_at_start']:.2f}"
+        f"{'':15} {'precision':35} {'compl./s':>8} {'s/step':>7} {'median c/s':>10} {'peak RSS (GB)':>13} "
+        f"{'RSS pre-train':>13} {'mean tokens':>11} {'spread steps':>12} {'load':>5}"
     )
-    print(
-        f"{'':18} {'completions/s':>13} {'s/step':>7} {'median-step c/s':>15} {'peak RSS (GB)':>14} "
-        f"{'RSS pre-train':>14} {'completions':>11} {'seconds':>8} {'mean tokens':>11} {'spread steps':>12}"
-    )
-    for name, side in (("TRL GRPOTrainer", trl), ("hanzo-gym", ours)):
+    for key, side in ran.items():
         print(
-            f"{name:18} {per_second(side):13.2f} {side['seconds'] / timed_steps:7.2f} "
-            f"{per_second_at_median_step(side):15.2f} {gigabytes(side):14.2f} "
-            f"{side['loaded_rss_bytes'] / 1e9:14.2f} {side['completions']:11d} {side['seconds']:8.1f} "
-            f"{side['mean_length']:11.1f} {side['spread_steps']:>6d} of {timed_steps:<3d}"
+            f"{NAMES[key]:15} {side['precision']:35} {per_second(side):8.2f} {side['seconds'] / timed_steps:7.2f} "
+            f"{per_second_at_median_step(side):10.2f} {gigabytes(side):13.2f} "
+            f"{side['loaded_rss_bytes'] / 1e9:13.2f} {side['mean_length']:11.1f} "
+            f"{side['spread_steps']:>6d} of {timed_steps:<3d} {side['load_at_start']:5.2f}"
         )
-    speedup = per_second(ours) / per_second(trl)
-    median_speedup = per_second_at_median_step(ours) / per_second_at_median_step(trl)
-    memory = gigabytes(ours) / gigabytes(trl)
-    print(
-        f"{'ratio (ours/TRL)':18} {speedup:12.2f}x {'':7} {median_speedup:14.2f}x {memory:13.2f}x"
-        f"     (target ≥ {TARGET_SPEEDUP}x completions/s)"
-    )
-    print(
-        f"hanzo-gym time split over the timed steps: sampling {ours['sample_seconds']:.1f} s, "
-        f"scoring + training {ours['train_seconds']:.1f} s"
-    )
-    print("TRL settings in effect: " + ", ".join(f"{k}={v}" for k, v in trl["settings"].items()))
+    for key, side in results.items():
+        if "failed" in side:
+            print(
+                f"{NAMES[key]} failed; the last lines of its log:\n    "
+                + side["failed"].replace("\n", "\n    ")
+            )
+
+    def ratio(ours: str, theirs: str, what: str, target: float) -> None:
+        if ours in ran and theirs in ran:
+            a, b = ran[ours], ran[theirs]
+            print(
+                f"{NAMES[ours]} / {what}: {per_second(a) / per_second(b):.2f}x completions/s "
+                f"({per_second_at_median_step(a) / per_second_at_median_step(b):.2f}x at the median step; "
+                f"target ≥ {target}x), {gigabytes(a) / gigabytes(b):.2f}x peak RSS"
+            )
+
+    ratio("ours-fp32", "trl-fp32", "TRL fp32", TARGET_SPEEDUP)
+    ratio("ours-bf16", "trl-fp32", "TRL fp32", TARGET_BF16_OVER_TRL_FP32)
+    trl_sides = [key for key in ("trl-fp32", "trl-bf16") if key in ran]
+    if trl_sides:
+        best = max(trl_sides, key=lambda key: per_second(ran[key]))
+        ratio("ours-bf16", best, f"TRL at its best ({NAMES[best]})", TARGET_BF16_OVER_TRL_BEST)
+    for key in ("ours-fp32", "ours-bf16"):
+        if key in ran:
+            print(
+                f"{NAMES[key]} time split over the timed steps: sampling {ran[key]['sample_seconds']:.1f} s, "
+                f"scoring + training {ran[key]['train_seconds']:.1f} s"
+            )
+    for key in trl_sides:
+        settings = ran[key]["settings"]
+        print(f"{NAMES[key]} settings in effect: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     print(
         "TRL differs from its defaults only in: per_device_train_batch_size = num_generations = "
         f"generation_batch_size = {opts.generations}, max_completion_length={opts.max_completion_length}, "
-        "bf16=False, use_cpu=True, logging_steps=1, report_to=none, save_strategy=no"
+        "bf16 (False on its fp32 side), use_cpu=True, logging_steps=1, report_to=none, save_strategy=no"
         + (
             f", use_vllm=True, vllm_mode=colocate, vllm_gpu_memory_utilization={VLLM_MEMORY}"
             if opts.vllm
@@ -289,26 +331,10 @@ def print_report(trl: dict, ours: dict, opts, load_at_start: float) -> None:
         )
     )
     print(
-        "median-step c/s: completions per second of the median timed step. mean tokens: completion tokens per "
-        "completion, stop token included (sampling is random on both sides: longer completions cost more). "
+        "median c/s: completions per second of the median timed step. mean tokens: completion tokens per "
+        "completion, stop token included (sampling is random on every side: longer completions cost more). "
         "spread steps: timed steps whose rewards differ within the group; our loop skips the update of the "
-        "others, TRL runs it"
-    )
-
-
-def print_ours_alone(trl_failure: str, ours: dict, opts) -> None:
-    print(
-        f"workload: as without --vllm, rollouts on colocated vLLM (memory share {VLLM_MEMORY}), "
-        f"1 prompt × {opts.generations} generations per step, max_completion_length {opts.max_completion_length}, "
-        f"steps 2..{opts.steps} timed, CPU {os.cpu_count()} cores"
-    )
-    print("TRL GRPOTrainer (use_vllm=True, vllm_mode=colocate) failed; the last lines of its log:")
-    print("    " + trl_failure.replace("\n", "\n    "))
-    print(
-        f"hanzo-gym: {ours['completions'] / ours['seconds']:.2f} completions/s, "
-        f"{opts.generations / ours['median_step_seconds']:.2f} at the median step, peak RSS "
-        f"{ours['peak_rss_bytes'] / 1e9:.2f} GB, mean tokens {ours['mean_length']:.1f}; sampling "
-        f"{ours['sample_seconds']:.1f} s, scoring + training {ours['train_seconds']:.1f} s over the timed steps"
+        "others, TRL runs it. load: the 1-minute load average as the side started"
     )
 
 
@@ -319,11 +345,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per side; 2..N are timed")
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt (group size)")
     parser.add_argument("--max-completion-length", type=int, default=32)
-    parser.add_argument("--vllm", action="store_true", help="both sides sample through a colocated vLLM")
+    parser.add_argument("--vllm", action="store_true", help="every side samples through a colocated vLLM")
+    parser.add_argument(
+        "--sides", default=",".join(SIDES), help=f"which sides to run, in order (default: {','.join(SIDES)})"
+    )
     add_side_arguments(parser, SIDES)
     opts = parser.parse_args()
     if opts.steps < 2:
         parser.error("--steps must be at least 2: step 1 is warm-up")
+    sides = [side.strip() for side in opts.sides.split(",") if side.strip()]
+    unknown = [side for side in sides if side not in SIDES]
+    if unknown or not sides:
+        parser.error(f"--sides takes {', '.join(SIDES)} (got {opts.sides!r})")
     if opts.side:
         finish_side(
             opts,
@@ -346,12 +379,9 @@ def main() -> None:
         *(["--vllm"] if opts.vllm else []),
     ]
     # TRL's colocated vLLM may not run on this device: its result is then the failure, printed as such.
-    may_fail = ("trl",) if opts.vllm else ()
-    trl, ours, load_at_start = compare_sides(__file__, addition_prompts(), opts.steps, forwarded, may_fail)
-    if "failed" in trl:
-        print_ours_alone(trl["failed"], ours, opts)
-        return
-    print_report(trl, ours, opts, load_at_start)
+    may_fail = ("trl-fp32", "trl-bf16") if opts.vllm else ()
+    results, load_at_start = run_sides(__file__, sides, addition_prompts(), opts.steps, forwarded, may_fail)
+    print_report(results, opts, load_at_start)
 
 
 if __name__ == "__main__":

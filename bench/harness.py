@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 INTERNAL = ("--model-dir", "--data", "--work-dir", "--result")
@@ -18,6 +19,23 @@ INTERNAL = ("--model-dir", "--data", "--work-dir", "--result")
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
+
+
+# The four sides of a precision comparison: each trainer in fp32 and at its bf16 setting.
+SIDE_NAMES = {
+    "trl-fp32": "TRL fp32",
+    "trl-bf16": "TRL bf16=True",
+    "ours-fp32": "hanzo-gym fp32",
+    "ours-bf16": "hanzo-gym bf16",
+}
+
+
+def precision_sides(
+    run_trl: Callable[..., dict], run_ours: Callable[..., dict]
+) -> dict[str, Callable[..., dict]]:
+    """SIDE_NAMES' sides as the runners they call, each given `bf16=` after the workload's arguments."""
+    runners = {"trl": run_trl, "ours": run_ours}
+    return {key: partial(runners[key.split("-")[0]], bf16=key.endswith("bf16")) for key in SIDE_NAMES}
 
 
 def add_side_arguments(parser: argparse.ArgumentParser, sides: dict) -> None:

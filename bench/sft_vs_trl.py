@@ -21,7 +21,7 @@ import random
 import time
 from pathlib import Path
 
-from harness import add_side_arguments, finish_side, peak_rss_bytes, run_sides
+from harness import SIDE_NAMES, add_side_arguments, finish_side, peak_rss_bytes, precision_sides, run_sides
 
 SEED = 42
 LORA_R, LORA_ALPHA = 16, 32
@@ -199,18 +199,8 @@ def run_ours(
     }
 
 
-SIDES = {
-    "trl-fp32": lambda *args: run_trl(*args, bf16=False),
-    "trl-bf16": lambda *args: run_trl(*args, bf16=True),
-    "ours-fp32": lambda *args: run_ours(*args, bf16=False),
-    "ours-bf16": lambda *args: run_ours(*args, bf16=True),
-}
-NAMES = {
-    "trl-fp32": "TRL fp32",
-    "trl-bf16": "TRL bf16=True",
-    "ours-fp32": "hanzo-gym fp32",
-    "ours-bf16": "hanzo-gym bf16",
-}
+SIDES = precision_sides(run_trl, run_ours)
+NAMES = SIDE_NAMES
 
 
 def model_flops_per_token(model_dir: str) -> int:
