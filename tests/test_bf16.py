@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 from conftest import save_tiny_word_model
-from tiny_models import tiny_model
+from tiny_models import tiny_lora_engine
 
 from hanzo_gym.cli import main
 from hanzo_gym.config import parse_config
@@ -175,20 +175,6 @@ def test_gym_train_keeps_fp32_on_a_cpu_without_native_bf16(
 # ---- the mixed recipe ------------------------------------------------------------------------------------------
 
 
-def _engine(dtype: torch.dtype, b_scale: float = 0.05) -> Engine:
-    """The tiny llama (wide initialisation) in `dtype` with an adapter whose B is not zero, the same weights
-    whatever the dtype."""
-    model = tiny_model("llama", initializer_range=0.2).to(dtype)
-    torch.manual_seed(0)
-    peft_model = attach_lora(model, 4, 8, 0.0, "all-linear", "tiny")
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * b_scale)
-    return Engine(peft_model)
-
-
 def _datums() -> list[Datum]:
     generator = torch.Generator().manual_seed(2)
     datums = []
@@ -201,7 +187,7 @@ def _datums() -> list[Datum]:
 
 
 def test_a_bf16_base_trains_an_fp32_adapter_with_fp32_adamw_state():
-    engine = _engine(torch.bfloat16)
+    engine = tiny_lora_engine(torch.bfloat16)
     frozen = [p for p in engine.model.parameters() if not p.requires_grad]
     assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
     assert engine.trainable and all(p.dtype == torch.float32 for p in engine.trainable)
@@ -224,7 +210,7 @@ def test_a_bf16_base_trains_an_fp32_adapter_with_fp32_adamw_state():
 
 def test_lora_on_a_bf16_base_matches_the_fp32_reference():
     datums = _datums()
-    reference, mixed = _engine(torch.float32), _engine(torch.bfloat16)
+    reference, mixed = tiny_lora_engine(torch.float32), tiny_lora_engine(torch.bfloat16)
     assert (reference.autocast_dtype, mixed.autocast_dtype) == (None, torch.bfloat16)
     want, got = reference.forward_backward(datums), mixed.forward_backward(datums)
     want_N, got_N = torch.cat(want.logprobs), torch.cat(got.logprobs)
@@ -270,7 +256,7 @@ def test_decoding_keeps_the_adapter_branch_on_a_bf16_base():
     from peft.tuners.lora import LoraLayer
 
     for dtype, folded in ((torch.bfloat16, False), (torch.float32, True)):
-        engine = _engine(dtype)
+        engine = tiny_lora_engine(dtype)
         layers = [m for m in engine.model.modules() if isinstance(m, LoraLayer)]
         weights = [m.get_base_layer().weight for m in layers]
         with decoding(engine.model):
@@ -283,7 +269,7 @@ def test_sampled_logprobs_match_recomputed_ones_in_bf16_on_a_tiny_model():
     from hanzo_gym.engine.sampling import sample_groups
     from hanzo_gym.engine.token_logprobs import prompt_logprobs
 
-    engine = _engine(torch.bfloat16)
+    engine = tiny_lora_engine(torch.bfloat16)
 
     class Tokenizer:  # what the sampler reads of a tokenizer when there are no stop strings
         eos_token_id = 2
@@ -451,7 +437,7 @@ def test_checkpointed_layers_recompute_in_the_forwards_dtypes_under_autocast():
     """torch recomputes a checkpointed layer under the forward's autocast state; the LoRA layers' input casting
     must follow it, or the recomputed tensors' dtypes differ from the forward's and the backward pass fails."""
     datums = _datums()
-    plain, checkpointed = _engine(torch.bfloat16), _engine(torch.bfloat16)
+    plain, checkpointed = tiny_lora_engine(torch.bfloat16), tiny_lora_engine(torch.bfloat16)
     checkpointed.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     plain.forward_backward(datums)
     checkpointed.forward_backward(datums)

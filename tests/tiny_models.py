@@ -38,3 +38,20 @@ def tiny_config(kind: str = "llama", **overrides):
 def tiny_model(kind: str = "llama", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32)
+
+
+def tiny_lora_engine(dtype: torch.dtype, b_scale: float = 0.05):
+    """An engine over the tiny llama (wide initialisation) in `dtype` with an adapter whose B is not zero: the
+    same weights whatever the dtype."""
+    from hanzo_gym.engine import Engine
+    from hanzo_gym.model.lora import attach_lora
+
+    model = tiny_model("llama", initializer_range=0.2).to(dtype)
+    torch.manual_seed(0)
+    peft_model = attach_lora(model, 4, 8, 0.0, "all-linear", "tiny")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * b_scale)
+    return Engine(peft_model)

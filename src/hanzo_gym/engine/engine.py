@@ -362,7 +362,7 @@ class Engine:
 
     def _packed_hidden(self, datums: list[Datum]) -> torch.Tensor:
         """The decoder's last hidden states `[N, H]` of all datums' positions, one packed row (padded to a
-        bucket length where the matmuls run in oneDNN, engine/row_buckets.py)."""
+        bucket length on a CPU in bf16 or fp16, engine/row_buckets.py)."""
         inputs = [d.model_input.to_ints() for d in datums]
         shared = shared_layout(inputs, self.device) if self.packs_datums else None
         row = len(shared.tokens) if shared is not None else sum(len(tokens) for tokens in inputs)
