@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 # the test extra. --no-deps: it requires tml-renderers>=0.4.1 (for Inkling and Kimi models only), which the index
 # does not have.
 	$(PIP) --no-deps tinker-cookbook==0.6.1
+# Axolotl's own prompters and prompt strategies, which tests/test_axolotl_formats.py checks our dataset formats
+# against; --no-deps: they import with our packages, and Axolotl pins its own torch and transformers.
+	$(PIP) --no-deps axolotl==0.19.0
 	mkdir -p $(VENV)/models
 	ln -sf "$$($(PY) -c 'from hanzo_gym.model.hub import real_model_gguf; print(real_model_gguf())')" $(VENV)/models/
 	touch $@

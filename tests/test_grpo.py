@@ -252,14 +252,11 @@ def test_axolotls_grpo_quick_start_transform_and_rewards_train(tmp_path, tiny_wo
     sys.modules.pop("rewards", None)  # not through monkeypatch, which would put it back
 
 
-def test_a_user_transform_is_read_for_grpo_prompts_only(tmp_path, tiny_word_base, counting_prompts):
+def test_a_misspelt_type_is_not_taken_for_a_transform(tmp_path, tiny_word_base, counting_prompts):
     from config_files import error_of
 
     text = (
-        f"base_model: {tiny_word_base}\ndatasets:\n  - path: {counting_prompts}\n    type: rewards.prompt_transform\n"
+        f"base_model: {tiny_word_base}\ndatasets:\n  - path: {counting_prompts}\n    type: chatml.intell\n"
         "adapter: lora\nlora_target_linear: true\noutput_dir: out\n"
     )
-    assert "names a transform of your own (module.function)" in error_of(tmp_path, text)
-    assert "did you mean `chatml.intel`" in error_of(
-        tmp_path, text.replace("rewards.prompt_transform", "chatml.intell")
-    )
+    assert "did you mean `chatml.intel`" in error_of(tmp_path, text)

@@ -96,10 +96,15 @@ def check_preference_keys(cfg) -> None:
         )
     if cfg.rl_beta is not None and cfg.dpo_beta is not None and cfg.rl_beta != cfg.dpo_beta:
         raise ValueError("rl_beta and dpo_beta (its old name) disagree; give rl_beta only")
+    from hanzo_gym.config.schema import is_user_transform
+
     allowed = KTO_TYPES if method == "kto" else PAIR_TYPES
     for ds in cfg.datasets:
-        if ds.type not in allowed:
-            raise ValueError(f"rl: {method} reads datasets of type {', '.join(allowed)}; got `{ds.type}`")
+        if isinstance(ds.type, str) and ds.type not in allowed and not is_user_transform(ds.type):
+            raise ValueError(
+                f"rl: {method} reads datasets of type {', '.join(allowed)}, a transform of your own "
+                f"(module.function) or a `type:` mapping of your format; got `{ds.type}`"
+            )
     if cfg.dpo_loss_type is not None or cfg.dpo_loss_weights is not None:
         if method != "dpo":
             raise ValueError(f"dpo_loss_type / dpo_loss_weights apply to rl: dpo, not rl: {method}")

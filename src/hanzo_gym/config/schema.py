@@ -6,10 +6,20 @@ Unknown keys and bad values fail at load with the key's path, its YAML line and 
 from __future__ import annotations
 
 import re
+import string
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from hanzo_gym.config.axolotl_keys import (
     NOT_YET,
@@ -22,11 +32,18 @@ from hanzo_gym.config.axolotl_keys import (
 )
 from hanzo_gym.config.kernel_keys import KernelKeys, check_kernel_keys
 from hanzo_gym.config.parameter_patterns import ROW_RANGE, name_pattern
-from hanzo_gym.config.preference_keys import KTO_TYPES, PAIR_TYPES, PreferenceKeys, check_preference_keys
+from hanzo_gym.config.preference_keys import (
+    KTO_TYPES,
+    PAIR_METHODS,
+    PAIR_TYPES,
+    PreferenceKeys,
+    check_preference_keys,
+)
 from hanzo_gym.config.run_shape_keys import check_run_shape_keys
 from hanzo_gym.config.tracking import TrackingKeys
 from hanzo_gym.config.vllm_keys import VllmSection, VllmTrlKeys, check_vllm_keys
 from hanzo_gym.config.yaml_source import load_yaml_file
+from hanzo_gym.data.instruction_formats import ALPACA_STYLES, InstructionFormat
 from hanzo_gym.errors import ConfigError, DataError, GymError
 from hanzo_gym.rewards.user_code import is_dotted_name
 
@@ -37,12 +54,17 @@ MAX_DEFAULT_WARMUP = 100
 MAX_SEED = 2**32 - 1
 
 
-def is_user_transform(dataset_type: str) -> bool:
+def is_user_transform(dataset_type: str | DatasetTypeMapping) -> bool:
     """Axolotl's `type: module.function` (e.g. `rewards.prompt_transform`)."""
-    return dataset_type not in DATASET_TYPES and is_dotted_name(dataset_type)
+    return (
+        isinstance(dataset_type, str)
+        and dataset_type not in DATASET_TYPES
+        and not dataset_type.startswith("alpaca:")
+        and is_dotted_name(dataset_type)
+    )
 
 
-SFT_TYPES = ("chat_template", "alpaca", "completion")
+SFT_TYPES = ("chat_template", "alpaca", "input_output", "completion")
 DATASET_TYPES = tuple(dict.fromkeys((*SFT_TYPES, *PAIR_TYPES, *KTO_TYPES)))
 
 
@@ -65,10 +87,114 @@ class SpecialTokens(_Strict):
     unk_token: str | None = None
 
 
+class DatasetTypeMapping(_Strict):
+    """Axolotl's `type:` given as a mapping: a prompt format of the user's. SFT and GRPO read the instruction
+    keys (Axolotl's user-defined instruction format, data/instruction_formats.py); `rl: dpo`, ipo, simpo read
+    the pair keys and `rl: kto` the KTO keys (Axolotl's user-defined preference formats). Unset keys take
+    Axolotl's defaults; a key of another kind of run is refused (Config)."""
+
+    field_system: str = "system"
+    # SFT and GRPO
+    system_prompt: str | None = None
+    field_instruction: str | None = None
+    field_input: str | None = None
+    field_output: str | None = None
+    format: str | None = None
+    no_input_format: str | None = None
+    system_format: str | None = None
+    # preference data: the prompt, then the pair (rl: dpo, ipo, simpo) or one completion and its label (rl: kto)
+    field_prompt: str | None = None
+    prompt_format: str | None = None
+    field_chosen: str | None = None
+    field_rejected: str | None = None
+    chosen_format: str | None = None
+    rejected_format: str | None = None
+    field_completion: str | None = None
+    field_label: str | None = None
+    completion_format: str | None = None
+
+    INSTRUCTION_KEYS: ClassVar = (
+        "system_prompt",
+        "field_instruction",
+        "field_input",
+        "field_output",
+        "format",
+        "no_input_format",
+        "system_format",
+    )
+    PAIR_KEYS: ClassVar = (
+        "field_prompt",
+        "prompt_format",
+        "field_chosen",
+        "field_rejected",
+        "chosen_format",
+        "rejected_format",
+    )
+    KTO_KEYS: ClassVar = (
+        "field_prompt",
+        "prompt_format",
+        "field_completion",
+        "field_label",
+        "completion_format",
+    )
+
+    # each format string and the placeholders it may hold
+    PLACEHOLDERS: ClassVar = {
+        "format": {"instruction", "input"},
+        "no_input_format": {"instruction"},
+        "system_format": {"system"},
+        "prompt_format": {"prompt", "system"},
+        "chosen_format": {"chosen"},
+        "rejected_format": {"rejected"},
+        "completion_format": {"completion"},
+    }
+
+    @model_validator(mode="after")
+    def _placeholders_known(self) -> DatasetTypeMapping:
+        for key, known in self.PLACEHOLDERS.items():
+            text = getattr(self, key)
+            if text is None:
+                continue
+            try:
+                used = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+            except ValueError as error:
+                raise ValueError(f"{key}: {error} (write a literal brace as {{{{ or }}}})") from None
+            unknown = sorted(used - known)
+            if unknown:
+                raise ValueError(
+                    f"{key}: {{{unknown[0]}}} is not filled; it may hold {', '.join(f'{{{n}}}' for n in sorted(known))}"
+                )
+        return self
+
+    def foreign_keys(self, allowed: tuple[str, ...]) -> list[str]:
+        """The keys set here that a run reading `allowed` does not read."""
+        return sorted(self.model_fields_set - {"field_system", *allowed})
+
+    @property
+    def instruction_format(self) -> InstructionFormat:
+        """Axolotl's user-defined instruction format, its defaults for the unset keys."""
+        system = self.system_prompt or ""
+        return InstructionFormat(
+            self.format or "{instruction} {input} ",
+            self.no_input_format or "{instruction} ",
+            self.system_format or "{system}",
+            system,
+            system,
+            self.field_system,
+        )
+
+
 class DatasetConfig(_Strict):
     path: str
-    # SFT's three types, or a preference type (config/preference_keys.py) that an `rl: dpo`-family run reads
-    type: str
+    # SFT's types (`alpaca:<style>` too), a preference type (config/preference_keys.py) that an `rl: dpo`-family
+    # run reads, a transform of the user's (`module.function`), or a format of the user's as a mapping
+    type: Annotated[
+        # the tags hold brackets so that error paths leave them out (_describe)
+        Annotated[str, Tag("str[type]")] | Annotated[DatasetTypeMapping, Tag("mapping[type]")],
+        Discriminator(
+            lambda value: "mapping[type]" if isinstance(value, dict | DatasetTypeMapping) else "str[type]"
+        ),
+    ]
     split: str | None = None
     data_files: list[str] | None = None
     # a configuration of the dataset (its card's `configs`), as load_dataset(path, name)
@@ -109,15 +235,21 @@ class DatasetConfig(_Strict):
 
     @field_validator("type")
     @classmethod
-    def _known_type(cls, value: str) -> str:
-        if value not in DATASET_TYPES:
+    def _known_type(cls, value: str | DatasetTypeMapping) -> str | DatasetTypeMapping:
+        if isinstance(value, str) and value.startswith("alpaca:"):
+            style = value.partition(":")[2]
+            if style not in ALPACA_STYLES:
+                raise ValueError(f"`alpaca:{style}`: Axolotl's alpaca styles are {', '.join(ALPACA_STYLES)}")
+            return value
+        if isinstance(value, str) and value not in DATASET_TYPES:
             close = close_misspelling(value, list(DATASET_TYPES))
             if close is None and is_user_transform(value):
                 # Axolotl's `module.function`: a transform of the user's (data/user_transforms.py)
                 return value
             hint = f"did you mean `{close}`? " if close else ""
             raise ValueError(
-                f"unknown dataset type; {hint}SFT and GRPO read chat_template, alpaca or completion; preference "
+                f"unknown dataset type; {hint}SFT and GRPO read chat_template, alpaca (alpaca:chat, alpaca:chatml, "
+                "alpaca:phi), input_output (SFT) or completion, or a `type:` mapping of your own format; preference "
                 "training (rl: dpo, ipo, orpo, simpo, kto) reads chat_template.default, chat_template.argilla_chat, "
                 "chat_template.argilla, passthrough, chatml.<variant> or llama3.<variant>"
             )
@@ -138,6 +270,32 @@ class DatasetConfig(_Strict):
     @property
     def mappings(self) -> MessagePropertyMappings:
         return self.message_property_mappings or MessagePropertyMappings()
+
+    @property
+    def type_name(self) -> str:
+        """The type as messages name it."""
+        return self.type if isinstance(self.type, str) else "a `type:` mapping"
+
+    @property
+    def instruction_format(self) -> InstructionFormat | None:
+        """The instruction prompt of `alpaca`, `alpaca:<style>` or a `type:` mapping; None for other types."""
+        if isinstance(self.type, DatasetTypeMapping):
+            return self.type.instruction_format
+        if self.type == "alpaca" or self.type.startswith("alpaca:"):
+            return ALPACA_STYLES[self.type.partition(":")[2] or "instruct"]
+        return None
+
+    @property
+    def instruction_fields(self) -> tuple[str, str, str]:
+        """The row fields of the instruction, the input and the output."""
+        own = self.type if isinstance(self.type, DatasetTypeMapping) else None
+        if own is None:
+            return self.field_instruction, self.field_input, self.field_output
+        return (
+            own.field_instruction or "instruction",
+            own.field_input or "input",
+            own.field_output or "output",
+        )
 
 
 class TrlConfig(_Strict, VllmTrlKeys):  # the vLLM rollout keys: config/vllm_keys.py
@@ -512,11 +670,11 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
             raise ValueError(
                 "loss_watchdog_patience needs `loss_watchdog_threshold` (the loss that counts as too high)"
             )
-        transformed = [ds.type for ds in self.datasets if ds.type not in DATASET_TYPES]
-        if transformed and self.rl != "grpo":
+        self._check_type_mappings()
+        if self.rl == "grpo" and any(ds.type == "input_output" for ds in self.datasets):
             raise ValueError(
-                f"datasets type `{transformed[0]}` names a transform of your own (module.function), which "
-                "hanzo-gym reads for rl: grpo prompts only so far; use a built-in type"
+                "type: input_output is SFT's (labelled segments have no prompt to answer); rl: grpo reads "
+                "chat_template, alpaca, completion or a transform of your own"
             )
         if self.lora_modules_to_save:
             if self.rl == "grpo":
@@ -548,6 +706,22 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
                     f"{len(self.trl.reward_funcs)} trl.reward_funcs; give one weight per function"
                 )
         return self
+
+    def _check_type_mappings(self) -> None:
+        """A `type:` mapping holds the keys of this run's kind of data only."""
+        if self.rl == "kto":
+            kind, allowed = "rl: kto", DatasetTypeMapping.KTO_KEYS
+        elif self.rl in PAIR_METHODS:
+            kind, allowed = f"rl: {self.rl}", DatasetTypeMapping.PAIR_KEYS
+        else:
+            kind, allowed = "SFT and GRPO", DatasetTypeMapping.INSTRUCTION_KEYS
+        for index, ds in enumerate(self.datasets):
+            foreign = ds.type.foreign_keys(allowed) if isinstance(ds.type, DatasetTypeMapping) else []
+            if foreign:
+                raise ValueError(
+                    f"datasets[{index}].type: `{foreign[0]}` is not a key of the format {kind} reads "
+                    f"({', '.join(allowed)}, field_system)"
+                )
 
     @property
     def special_token_roles(self) -> dict[str, str]:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hanzo_gym.config import Config, DatasetConfig
+from hanzo_gym.config.schema import is_user_transform
 from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.deduplicate import without_duplicates
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext, row_to_example
+from hanzo_gym.data.user_transforms import load_user_strategy
 from hanzo_gym.errors import DataError
 
 if TYPE_CHECKING:
@@ -59,9 +61,12 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
     )
     examples: list[Example] = []
     stats: list[DatasetStats] = []
-    for ds in cfg.datasets:
+    for index, ds in enumerate(cfg.datasets):
         rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
-        kept, ds_stats = examples_from_rows(rows, ds, ctx, cfg.sequence_len, cfg.excess_length_strategy)
+        strategy = load_user_strategy(cfg, index, tokenizer) if is_user_transform(ds.type) else None
+        kept, ds_stats = examples_from_rows(
+            rows, ds, ctx, cfg.sequence_len, cfg.excess_length_strategy, to_example=strategy
+        )
         examples.extend(kept)
         stats.append(ds_stats)
     stats.append(total_stats(stats))
@@ -79,13 +84,15 @@ def examples_from_rows(
     ctx: StrategyContext,
     sequence_len: int,
     excess_length: str = "drop",
+    to_example: Callable[[Row], Example] | None = None,
 ) -> tuple[list[Example], DatasetStats]:
-    """Each row's Example; one longer than `sequence_len` dropped, truncated or refused (`excess_length`, see
-    the module's docstring); examples shorter than 2 tokens or with no trained token are dropped."""
+    """Each row's Example (by the dataset's strategy, or `to_example`: one of the user's); one longer than
+    `sequence_len` dropped, truncated or refused (`excess_length`, see the module's docstring); examples shorter
+    than 2 tokens or with no trained token are dropped."""
     stats = DatasetStats(ds.path)
     kept = []
     for row in rows:
-        example = row_to_example(row, ds, ctx)
+        example = to_example(row) if to_example else row_to_example(row, ds, ctx)
         if len(example) > sequence_len:
             if excess_length == "raise":
                 raise DataError(

@@ -7,6 +7,8 @@ Two routes, as TRL 1.16's DPOTrainer tokenizes them:
   tokenizer's special tokens (a Llama BOS), each completion gets the eos token unless it ends with it.
 - Conversations: `chat_template.*` strategies and `passthrough` rows of message lists are rendered by the run's
   renderer (HF template parity): the prompt with the generation prompt, prompt + completion as a conversation.
+- Rows of the user's shape (a `type:` mapping or a `module.function` transform) become passthrough rows first
+  (data/preference_transforms.py).
 
 Either way the completion starts where the prompt's tokens and prompt + completion's tokens part (usually right
 after the prompt; earlier when a token merges across the boundary), so the pair's tokens are exactly what the
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.data.dataset import DatasetStats, total_stats, validation_count
 from hanzo_gym.data.deduplicate import without_duplicates
+from hanzo_gym.data.preference_transforms import as_passthrough
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext
 from hanzo_gym.errors import DataError
@@ -361,8 +364,9 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
     strategy = cfg.excess_length_strategy
     pairs: list[PreferencePair] = []
     stats: list[DatasetStats] = []
-    for ds in cfg.datasets:
+    for index, ds in enumerate(cfg.datasets):
         rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
+        rows, ds = as_passthrough(cfg, index, rows, tokenizer)
         kept, ds_stats = items_from_rows(rows, ds, ctx, cfg.sequence_len, strategy, kto=cfg.rl == "kto")
         pairs.extend(kept)
         stats.append(ds_stats)

@@ -27,6 +27,7 @@ from hanzo_gym.data.example import Example
 from hanzo_gym.data.preference import KtoExample, LoadedPreferences, PreferencePair
 from hanzo_gym.data.prompts import LoadedPrompts, Prompt
 from hanzo_gym.data.sources import data_file_paths
+from hanzo_gym.data.user_transforms import user_code_module
 from hanzo_gym.errors import DataError
 from hanzo_gym.files import publish_directory
 from hanzo_gym.rewards.user_code import import_user_module
@@ -97,7 +98,7 @@ def prepared_inputs(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str
         for path in data_file_paths(ds.path, ds.split, ds.data_files, ds.name)
     }
     transforms = {
-        ds.type: _file_sha256(Path(_transform_file(ds.type, index)))
+        ds.type: _file_sha256(Path(_transform_file(cfg, index)))
         for index, ds in enumerate(cfg.datasets)
         if is_user_transform(ds.type)
     }
@@ -111,9 +112,9 @@ def prepared_inputs(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str
     }
 
 
-def _transform_file(dataset_type: str, index: int) -> str:
-    module = import_user_module(f"datasets[{index}].type `{dataset_type}`", dataset_type.rpartition(".")[0])
-    return module.__file__
+def _transform_file(cfg: Config, index: int) -> str:
+    what = f"datasets[{index}].type `{cfg.datasets[index].type}`"
+    return import_user_module(what, user_code_module(cfg, index)).__file__
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

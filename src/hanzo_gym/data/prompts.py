@@ -13,7 +13,7 @@ from hanzo_gym.data.chat_templates import resolve_renderer
 from hanzo_gym.data.dataset import validation_count
 from hanzo_gym.data.deduplicate import without_duplicates
 from hanzo_gym.data.sources import Row, read_rows
-from hanzo_gym.data.strategies import canonical_role, chat_messages
+from hanzo_gym.data.strategies import canonical_role, chat_messages, instruction_prompt
 from hanzo_gym.data.user_transforms import load_user_transform
 from hanzo_gym.errors import DataError
 from hanzo_gym.renderers import Renderer
@@ -66,6 +66,11 @@ def prompt_from_row(
         text = _required(row, ds.field, "field")
         columns = _other_columns(row, (ds.field,))
         return Prompt(tokenizer.encode(text, add_special_tokens=True), text, _row_answer(row), None, columns)
+    if _text_format(ds):
+        # alpaca:<style> or a format of the user's: the prompt is its text, as SFT on the same rows trains it
+        text, answer = instruction_prompt(row, ds)
+        columns = _other_columns(row, ds.instruction_fields)
+        return Prompt(tokenizer.encode(text, add_special_tokens=True), text, answer, None, columns)
     if ds.type == "alpaca":
         instruction = _required(row, ds.field_instruction, "field_instruction")
         extra = row.data.get(ds.field_input)
@@ -85,6 +90,11 @@ def prompt_from_row(
     return Prompt(
         tokens, tokenizer.decode(tokens), answer if isinstance(answer, str) else None, messages, columns
     )
+
+
+def _text_format(ds: DatasetConfig) -> bool:
+    """An instruction format whose prompt is text of its own; plain `alpaca` asks through the chat template."""
+    return ds.instruction_format is not None and ds.type != "alpaca"
 
 
 def _trl_prompt(
@@ -116,7 +126,7 @@ def _other_columns(row: Row, prompt_fields: tuple[str, ...]) -> dict:
 
 
 def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPrompts:
-    needs_template = any(ds.type != "completion" for ds in cfg.datasets)
+    needs_template = any(ds.type != "completion" and not _text_format(ds) for ds in cfg.datasets)
     renderer = resolve_renderer(cfg.chat_template, tokenizer) if needs_template else None
     prompts: list[Prompt] = []
     dropped = 0

@@ -2,7 +2,9 @@
 
 - `chat_template`: the conversation rendered by the run's renderer (`chat_template` setting); the content of
   trained turns (and their end-of-turn token, per `train_on_eos`) is labelled.
-- `alpaca`: the fixed Alpaca prompt, then the output; the output and eos are labelled.
+- `alpaca`, `alpaca:<style>` or a `type:` mapping: the instruction (and input) in the format's prompt
+  (data/instruction_formats.py), then the output; the output and eos are labelled.
+- `input_output`: the row's `segments` as they are, each labelled or not by its own `label`; nothing added.
 - `completion`: raw text plus eos; everything is labelled.
 
 Truncation and dropping are the caller's job (`dataset.py`): these functions return the whole sequence.
@@ -26,17 +28,6 @@ if TYPE_CHECKING:
     from hanzo_gym.data.sources import Row
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
-
-ALPACA_PROMPT_WITH_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-ALPACA_PROMPT = (
-    "Below is an instruction that describes a task. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:\n"
-)
 
 
 @dataclass
@@ -73,8 +64,10 @@ def row_to_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example
     """The Example for `row` under the dataset's strategy (untruncated)."""
     if ds.type == "chat_template":
         return chat_template_example(row, ds, ctx)
-    if ds.type == "alpaca":
-        return alpaca_example(row, ds, ctx)
+    if ds.instruction_format is not None:
+        return instruction_example(row, ds, ctx)
+    if ds.type == "input_output":
+        return segments_example(row, ctx)
     return completion_example(row, ds, ctx)
 
 
@@ -146,20 +139,29 @@ def _message_text(value: Any, where: str, field: str) -> str:
     raise DataError(f"{where} has no `content` string (message_property_mappings.content = `{field}`)")
 
 
-# --- alpaca ---
+# --- alpaca and other instruction formats ---
 
 
-def alpaca_prompt(instruction: str, input_text: str = "") -> str:
-    if input_text:
-        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
-    return ALPACA_PROMPT.format(instruction=instruction)
+def instruction_prompt(row: Row, ds: DatasetConfig) -> tuple[str, str]:
+    """The row's prompt text in the dataset's instruction format, and its output."""
+    instruction_field, input_field, output_field = ds.instruction_fields
+    instruction = _required_string(row, instruction_field, "field_instruction")
+    output = _required_string(row, output_field, "field_output")
+    input_text = row.data.get(input_field)
+    form = ds.instruction_format
+    row_system = None
+    if form.field_system is not None:
+        # Axolotl's user-defined format: the row's own system text when the row has the field
+        row_system = row.data.get(form.field_system, form.system)
+        row_system = row_system if isinstance(row_system, str) else ""
+    prompt = form.prompt(instruction, input_text if isinstance(input_text, str) else "", row_system)
+    return prompt, output
 
 
-def alpaca_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example:
-    instruction = _required_string(row, ds.field_instruction, "field_instruction")
-    output = _required_string(row, ds.field_output, "field_output")
-    input_text = row.data.get(ds.field_input)
-    prompt = alpaca_prompt(instruction, input_text if isinstance(input_text, str) else "")
+def instruction_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example:
+    """As Axolotl tokenizes instruction prompts: the prompt with the tokenizer's special tokens, then the output
+    without its BOS and ending with eos."""
+    prompt, output = instruction_prompt(row, ds)
     prompt_ids = ctx.encode(prompt, add_special_tokens=True)
     response_ids = ctx.encode(output, add_special_tokens=True)
     bos_id = ctx.tokenizer.bos_token_id
@@ -168,6 +170,29 @@ def alpaca_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example
     response_ids = _ending_with(response_ids, ctx.eos_id)
     prompt_labels = list(prompt_ids) if ctx.train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
     return Example(prompt_ids + response_ids, prompt_labels + response_ids)
+
+
+# --- input_output ---
+
+
+def segments_example(row: Row, ctx: StrategyContext) -> Example:
+    """Axolotl's template-free format: each segment's text tokenized alone (no special tokens), labelled when
+    its `label` is true or `train_on_inputs` is set."""
+    segments = row.data.get("segments")
+    if not isinstance(segments, list):
+        raise DataError(f"{_where(row)}: row has no `segments` list (type: input_output)")
+    ids: list[int] = []
+    labels: list[int] = []
+    for number, segment in enumerate(segments, start=1):
+        if not (isinstance(segment, dict) and isinstance(segment.get("text"), str)):
+            raise DataError(f"{_where(row)}: segment {number} has no `text` string")
+        label = segment.get("label")
+        if not isinstance(label, bool):
+            raise DataError(f"{_where(row)}: segment {number} has no `label` true/false (train on it or not)")
+        tokens = ctx.encode(segment["text"])
+        ids += tokens
+        labels += tokens if label or ctx.train_on_inputs else [IGNORE_INDEX] * len(tokens)
+    return Example(ids, labels)
 
 
 # --- completion ---

@@ -1,0 +1,67 @@
+"""Instruction prompts: an instruction (and an optional input) written into a fixed text template, then the output.
+
+Axolotl's `alpaca` family (`type: alpaca`, `alpaca:chat`, `alpaca:chatml`, `alpaca:phi`) and its own formats given
+as a `type:` mapping (`format`, `no_input_format`, `system_format`, …) are all this one shape: an optional system
+block, then a turn template with or without the input, as Axolotl's AlpacaPrompter and user-defined prompter build
+them (its spacing kept exactly, quirks included: `alpaca:phi` writes the input straight after `<|end|>`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALPACA_SYSTEM = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request."
+)
+ALPACA_SYSTEM_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+)
+
+
+@dataclass(frozen=True)
+class InstructionFormat:
+    turn: str  # `{instruction}` and `{input}`
+    turn_no_input: str  # `{instruction}`
+    system_block: str  # `{system}`; written only when the system text is not empty
+    system: str = ""  # the system text of a row with an input (unless the row has its own)
+    system_no_input: str = ""  # … and of a row without one
+    field_system: str | None = (
+        None  # the row field that holds a system text of its own, if the format reads one
+    )
+
+    def prompt(self, instruction: str, input_text: str = "", row_system: str | None = None) -> str:
+        """The text before the output: the system block (if any system text), then the turn."""
+        if row_system is None:
+            row_system = self.system if input_text else self.system_no_input
+        head = self.system_block.format(system=row_system) if row_system else ""
+        if input_text:
+            return head + self.turn.format(instruction=instruction, input=input_text)
+        return head + self.turn_no_input.format(instruction=instruction)
+
+
+def _alpaca(turn: str, turn_no_input: str, system_block: str) -> InstructionFormat:
+    return InstructionFormat(turn, turn_no_input, system_block, ALPACA_SYSTEM, ALPACA_SYSTEM_NO_INPUT)
+
+
+# `alpaca:<style>`; plain `alpaca` is `instruct`.
+ALPACA_STYLES = {
+    "instruct": _alpaca(
+        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+        "### Instruction:\n{instruction}\n\n### Response:\n",
+        "{system}\n\n",
+    ),
+    "chat": _alpaca(
+        "USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:", "SYSTEM: {system}\n"
+    ),
+    "chatml": _alpaca(
+        "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>system\n{system}<|im_end|>\n",
+    ),
+    "phi": _alpaca(
+        "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
+        "<|user|>\n{instruction}<|end|>\n<|assistant|>\n",
+        "<|system|>\n{system}<|end|>\n",
+    ),
+}
