@@ -184,3 +184,23 @@ def test_the_grpo_quick_start_trains_with_its_reward_module_on_the_built_in_samp
     assert all("reward" in key for key in ("reward",)) and any(k.startswith("reward") for k in steps[0]), (
         steps[0]
     )
+
+
+def test_phi3_ft_trains_with_its_generation_eval_early_stopping_and_debug_print(tmp_path, tiny_base, capsys):
+    """phi--phi3-ft.yml: alpaca:phi data, perplexity of greedy completions at each eval, a table of 2
+    predictions, early stopping, debug: its eval keys as written, the run made short."""
+    data = _with_local_paths("phi--phi3-ft.yml", tmp_path, str(tiny_base))
+    # Phi-3's template, and its 32064 embedding rows already a multiple of 32: the tiny model is a Qwen3
+    for key in (*OTHER_MODEL_KEYS, "chat_template", "resize_token_embeddings_to_32x"):
+        data.pop(key, None)
+    data.update(max_steps=2, bf16=False, micro_batch_size=2, lora_r=8, gradient_checkpointing=False)
+    data.update(sequence_len=128, val_set_size=2, eval_steps=1, save_steps=2, eval_max_new_tokens=4)
+    path = tmp_path / "phi3-ft.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["train", str(path)]) == 0
+    assert "debug: the first training example:" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [row for row in rows if "eval/loss" in row]
+    assert [row["step"] for row in evals] == [0, 1, 2] and all(row["eval/perplexity"] > 1 for row in evals)
+    predictions = (tmp_path / "run" / "eval_predictions.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in predictions] == [0, 0, 1, 1, 2, 2]

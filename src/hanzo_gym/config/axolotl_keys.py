@@ -20,7 +20,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "sdp_attention": ("the torch SDPA attention switch", "remove it; models load with sdpa already"),
     "xformers_attention": ("xFormers attention kernels", "remove it; models load with sdpa"),
     "peft_use_dora": ("DoRA (weight-decomposed LoRA)", "remove it; vLLM does not serve DoRA adapters"),
-    "early_stopping_patience": ("stopping when the eval loss stops improving", "remove it"),
     "remove_unused_columns": (
         "dropping the dataset columns the trainer does not read",
         "remove it or set it false; a dataset type reads only its own fields",
@@ -83,7 +82,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
         for key, what in (
             ("tokenizer_use_mistral_common", "Mistral's own tokenizer library"),
             ("experimental_skip_move_to_device", "leaving the model where it loaded"),
-            ("debug", "Axolotl's debug output"),
             ("processor_type", "a multimodal processor class"),
             ("lora_target_parameters", "LoRA on bare parameters (MoE experts)"),
             ("context_parallel_size", "context parallelism over GPUs"),
@@ -106,11 +104,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("flash_attn_cross_entropy", "FlashAttention's cross-entropy kernel"),
             ("flash_attn_rms_norm", "FlashAttention's RMSNorm kernel"),
             ("experts_implementation", "the MoE experts' kernel"),
-            ("eval_table_size", "a table of sampled eval predictions"),
-            ("eval_max_new_tokens", "generation length of eval predictions"),
-            ("eval_batch_size", "the eval batch size"),
-            ("eval_causal_lm_metrics", "generation metrics at eval"),
-            ("do_causal_lm_eval", "generation metrics at eval"),
             ("accelerator_config", "Accelerate's settings"),
             ("use_otel_metrics", "OpenTelemetry metrics"),
             ("otel_metrics_host", "OpenTelemetry metrics"),

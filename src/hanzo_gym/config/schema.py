@@ -30,6 +30,7 @@ from hanzo_gym.config.axolotl_keys import (
     close_misspelling,
     known_path,
 )
+from hanzo_gym.config.eval_keys import EvalKeys, check_eval_keys
 from hanzo_gym.config.kernel_keys import KernelKeys, check_kernel_keys
 from hanzo_gym.config.parameter_patterns import ROW_RANGE, name_pattern
 from hanzo_gym.config.preference_keys import (
@@ -352,8 +353,9 @@ class CheckpointingKwargs(_Strict):
     use_reentrant: bool = False
 
 
-# The mixins' keys sit at the top level, as in Axolotl: config/preference_keys.py, tracking.py, kernel_keys.py.
-class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
+# The mixins' keys sit at the top level, as in Axolotl: config/preference_keys.py, tracking.py, kernel_keys.py,
+# eval_keys.py.
+class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
     base_model: str
     revision_of_model: str | None = None  # a branch, tag or commit of a hub base_model
     trust_remote_code: bool = False  # let transformers run the model repository's own Python code
@@ -666,6 +668,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys):
         check_vllm_keys(self.trl, self.vllm, self.rl)
         check_kernel_keys(self, self.adapter, self.attn_implementation)
         check_run_shape_keys(self)  # lora_model_dir, the batching keys: config/run_shape_keys.py
+        check_eval_keys(self)
         if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:
             raise ValueError(
                 "loss_watchdog_patience needs `loss_watchdog_threshold` (the loss that counts as too high)"

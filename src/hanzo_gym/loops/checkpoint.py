@@ -37,6 +37,7 @@ class TrainerPosition:
     log_window: dict = field(
         default_factory=dict
     )  # the partly filled logging window, so rows match a straight run
+    best: dict = field(default_factory=dict)  # early stopping's count and the best checkpoint (loops/tail.py)
 
 
 # Fingerprint keys written only when set, so that checkpoints from before they existed still resume; a
@@ -120,6 +121,7 @@ def _read_position(state_file: Path) -> TrainerPosition:
             ("window", int),
             ("plan", dict),
             ("log_window", dict),
+            ("best", dict),
         )
         if not isinstance(getattr(position, name), kind)
     ]

@@ -116,8 +116,9 @@ def evaluate_rewards(
     rewards: list[float] = []
     mine = shard(prompts)
     sample = (sampler or engine).sample
-    for start in range(0, len(mine), 64):
-        batch = mine[start : start + 64]
+    chunk = cfg.eval_batch_size or 64  # how many held-out prompts decode together
+    for start in range(0, len(mine), chunk):
+        batch = mine[start : start + chunk]
         groups = sample([p.tokens for p in batch], 1, _sampling(cfg, cfg.seed, greedy=True))
         flat = [c for group in _completions(engine, batch, groups) for c in group]
         totals, _ = _scored(reward_fns, cfg.trl.reward_weights or None, flat, "scoring the held-out prompts")
@@ -198,7 +199,7 @@ def _train(
         plan,
         total,
         resume_from,
-        evaluate=(lambda: evaluate_rewards(engine, val, reward_fns, cfg, sampler)) if val else None,
+        evaluate=(lambda step: evaluate_rewards(engine, val, reward_fns, cfg, sampler)) if val else None,
         row=lambda window: {**window.means(), "lr": window.last["lr"]},
         line=lambda row: (
             f"step {row['step']}/{total} reward {row['reward']:.4f} reward_std {row['reward_std']:.4f} "

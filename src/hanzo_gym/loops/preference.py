@@ -310,7 +310,7 @@ def train_preference(
         _plan_fingerprint(cfg, train),
         total,
         resume_from,
-        evaluate=(lambda: evaluate(held_out, cfg.micro_batch_size)) if val else None,
+        evaluate=(lambda step: evaluate(held_out, cfg.eval_micro_batch_size)) if val else None,
         row=partial(_logged_row, "examples_per_s" if cfg.rl == "kto" else "pairs_per_s"),
         line=lambda row: (
             f"step {row['step']}/{total} loss {row['loss']:.4f} margin {row.get('rewards/margins', 0):.3f} "

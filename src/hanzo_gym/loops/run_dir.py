@@ -53,6 +53,7 @@ RUN_FILES = (
     RUN_CONFIG,
     "metrics.jsonl",
     "checkpoints.jsonl",
+    "eval_predictions.jsonl",
     ADAPTER_MARKER,
     "adapter_model.safetensors",
     "config.json",
@@ -159,6 +160,22 @@ class RunDir:
             handle.write(line + "\n")
         self.trackers.log(row)
 
+    @property
+    def predictions_path(self) -> Path:
+        return self._home / "eval_predictions.jsonl"
+
+    def log_predictions(self, step: int, rows: list) -> None:
+        """An evaluation's completions (eval_table_size): one line each, and a table to the trackers."""
+        if not self.writer:
+            return
+        records = [
+            {"step": step, "id": i, "prompt": r.prompt, "reference": r.reference, "prediction": r.prediction}
+            for i, r in enumerate(rows)
+        ]
+        with open(self.predictions_path, "a", encoding="utf-8") as handle:
+            handle.write("".join(json.dumps(record) + "\n" for record in records))
+        self.trackers.predictions(records, step)
+
     def metrics(self) -> list[dict]:
         return _read_jsonl(self.metrics_path)
 
@@ -166,16 +183,22 @@ class RunDir:
         """On resume: drop metric and checkpoint records of steps the resumed run will redo."""
         if not self.writer:
             return
-        for path in (self.metrics_path, self.checkpoints_path):
+        for path in (self.metrics_path, self.checkpoints_path, self.predictions_path):
             if path.exists():
                 kept = [row for row in _read_jsonl(path) if row.get("step", 0) <= step]
                 atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
 
     def save_checkpoint(
-        self, step: int, epoch: float, build: Callable[[Path], None], keep: int | None = None
+        self,
+        step: int,
+        epoch: float,
+        build: Callable[[Path], None],
+        keep: int | None = None,
+        spare: int | None = None,
     ) -> Path:
         """Write checkpoint-<step>; with `keep`, then remove all but the newest `keep` checkpoints of this run
-        (only once the new one is complete, so there is always one to resume from)."""
+        (only once the new one is complete, so there is always one to resume from), never the one of step
+        `spare` (the best checkpoint, which HF's rotation keeps too)."""
         final = self.path / f"{CHECKPOINT_PREFIX}{step}"
         if not self.writer:
             return final
@@ -186,14 +209,23 @@ class RunDir:
         self.finish()
         self.trackers.checkpoint(self._home / final.name, step, epoch)
         if keep is not None:
-            self._keep_newest_checkpoints(keep)
+            self._keep_newest_checkpoints(keep, spare)
         return final
 
-    def _keep_newest_checkpoints(self, keep: int) -> None:
+    def checkpoint_path(self, step: int) -> Path:
+        return self._home / f"{CHECKPOINT_PREFIX}{step}"
+
+    def _keep_newest_checkpoints(self, keep: int, spare: int | None) -> None:
         folders = sorted(
             _checkpoint_folders(self._home), key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX))
         )
-        removed = {path.name for path in folders[:-keep]}
+        names = [path.name for path in folders]
+        kept = names[-keep:]
+        best = f"{CHECKPOINT_PREFIX}{spare}"
+        if best in names and best not in kept:
+            # HF's rotation: the best stays in place of the oldest kept one, beside the newest at least
+            kept = [best, *names[-max(keep - 1, 1) :]]
+        removed = set(names) - set(kept)
         if not removed:
             return
         # The record first: a crash between the two leaves a folder the record no longer names, never a

@@ -13,6 +13,7 @@ gradients over processes, so N processes train exactly as one process with N tim
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from hanzo_gym.data.example import Example
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine.distributed import shard, sum_across, world_size
 from hanzo_gym.loops.checkpoint import adapter_fingerprint
+from hanzo_gym.loops.generation_eval import GenerationEval
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import adam_params
 from hanzo_gym.loops.tail import LoopTail, StepPlace, StepWindow, planned_steps
@@ -115,6 +117,23 @@ def evaluate(
     return nll / max(count, 1)
 
 
+def _evaluation(
+    engine: Engine, cfg: Config, val: list[Example], run: RunDir, pack_to: int | None, pad_to: int | None
+) -> Callable[[int], dict[str, float]]:
+    """The eval loss, and with do_causal_lm_eval / eval_table_size the held-out completions (loops/generation_eval.py)."""
+    batch = cfg.eval_micro_batch_size
+
+    def mean_nll(examples: list[Example]) -> float:
+        return evaluate(engine, examples, batch, pack_to, pad_to)
+
+    generation = GenerationEval(engine, cfg, val, run.log_predictions) if cfg.generates_at_eval else None
+
+    def scores(step: int) -> dict[str, float]:
+        return {"eval/loss": mean_nll(val), **(generation(step, mean_nll) if generation else {})}
+
+    return scores
+
+
 def train_sft(
     engine: Engine,
     cfg: Config,
@@ -135,9 +154,7 @@ def train_sft(
         _plan_fingerprint(cfg, train),
         total,
         resume_from,
-        evaluate=(lambda: {"eval/loss": evaluate(engine, val, cfg.micro_batch_size, eval_pack, pad_to)})
-        if val
-        else None,
+        evaluate=_evaluation(engine, cfg, val, run, eval_pack, pad_to) if val else None,
         row=_logged_row,
         line=lambda row: (
             f"step {row['step']}/{total} loss {row['loss']:.4f} lr {row['lr']:.3e} "

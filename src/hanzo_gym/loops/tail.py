@@ -15,6 +15,14 @@ logged row's `loss` is compared with the threshold (an eval row has none: that s
 resets); each step it is above counts, a step where it is not resets the count, and at `patience` the run
 stops there as a finished run (its last row logged, evaluated, the adapter written). The count starts afresh
 on resume.
+
+Early stopping and the best checkpoint are HF's rules, which Axolotl's `early_stopping_patience` and
+`load_best_model_at_end` turn on: after each evaluation of the trained model (not the step-0 score of the base
+model, which HF never takes), an eval loss that is not below the best so far counts, a lower one resets the count;
+at `patience` the run stops there as a finished run. The best checkpoint is the newest save whose step had the
+lowest eval loss seen at that save; when saves fall on evaluations (save steps a multiple of eval steps) and
+either key is set, the run ends with that checkpoint's weights as its final adapter, and `save_total_limit`
+never removes it. Count, best loss and best checkpoint travel inside checkpoints.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from pathlib import Path
 
 from hanzo_gym.config import Config
 from hanzo_gym.engine import Engine
+from hanzo_gym.engine.state_files import load_engine_state
 from hanzo_gym.errors import GymError
 from hanzo_gym.loops.checkpoint import TrainerPosition, starting_position, write_checkpoint
 from hanzo_gym.loops.run_dir import Progress, RunDir
@@ -126,8 +135,29 @@ class StepPlace:
         return (self.epoch + 1, 0) if self.ends_epoch else (self.epoch, self.index + 1)
 
 
+@dataclass
+class BestCheckpoint:
+    """HF's TrainerState best_metric / best_global_step / best_model_checkpoint, and its early-stopping count."""
+
+    loss: float | None = None  # the lowest eval loss so far
+    step: int | None = None  # where it was measured
+    checkpoint_step: int | None = None  # the newest saved checkpoint at such a step
+    checkpoint_loss: float | None = None  # its eval loss
+    patience_count: int = 0  # evaluations in a row without a lower eval loss
+
+    def evaluated(self, step: int, loss: float) -> None:
+        if self.loss is None or loss < self.loss:
+            self.loss, self.step, self.patience_count = loss, step, 0
+        else:
+            self.patience_count += 1
+
+    def saved(self, step: int) -> None:
+        if self.step == step:
+            self.checkpoint_step, self.checkpoint_loss = step, self.loss
+
+
 class LoopTail:
-    """`evaluate()` scores the held-out data (None: nothing held out); `row(window)` makes the logged row's
+    """`evaluate(step)` scores the held-out data (None: nothing held out); `row(window)` makes the logged row's
     metrics; `line(row)` the printed line."""
 
     def __init__(
@@ -138,7 +168,7 @@ class LoopTail:
         plan: dict,
         total: int,
         resume_from: Path | None,
-        evaluate: Callable[[], dict[str, float]] | None,
+        evaluate: Callable[[int], dict[str, float]] | None,
         row: Callable[[StepWindow], dict[str, float]],
         line: Callable[[dict], str],
     ):
@@ -155,7 +185,19 @@ class LoopTail:
         self.eval_every = _every(cfg.eval_steps, cfg.evals_per_epoch, total, cfg.num_epochs)
         self.save_every = _every(cfg.save_steps, cfg.saves_per_epoch, total, cfg.num_epochs)
         self.last_eval: dict[str, float] | None = None
-        self.stopped = False  # the loss watchdog ended the run early
+        self.stopped = False  # the loss watchdog or early stopping ended the run early
+        self.best = BestCheckpoint(**self.position.best)
+        self.keeps_best = bool(
+            (cfg.load_best_model_at_end or cfg.early_stopping_patience)
+            and self.eval_every
+            and self.save_every
+            and self.save_every % self.eval_every == 0
+        )
+        if cfg.load_best_model_at_end and not self.keeps_best:
+            raise GymError(
+                f"load_best_model_at_end: checkpoints every {self.save_every} steps do not fall on evaluations "
+                f"every {self.eval_every}; make the save interval a multiple of the eval interval"
+            )
         self._logged_loss: float | None = None  # the newest logged row's `loss`, for the watchdog
         self._violations = 0
         if self._evaluate is not None and self.step == 0:
@@ -189,14 +231,26 @@ class LoopTail:
         return time.perf_counter() - self.started
 
     def evaluate(self, epoch_progress: float) -> dict[str, float]:
-        result = self._evaluate()
+        result = self._evaluate(self.step)
         check_finite(result, self.step, self.cfg)
         self.run.log({"step": self.step, "epoch": epoch_progress, **result, "elapsed_s": self.elapsed()})
         scores = " ".join(f"{key} {value:.4f}" for key, value in result.items())
         self.say(f"eval step {self.step} epoch {epoch_progress:.2f} {scores}")
         self.last_eval = result
         self._logged_loss = None  # the newest row is now an eval row, which HF's watchdog passes over
+        if self.step > 0 and "eval/loss" in result:
+            self._stop_early(result["eval/loss"])
         return result
+
+    def _stop_early(self, loss: float) -> None:
+        self.best.evaluated(self.step, loss)
+        patience = self.cfg.early_stopping_patience
+        if patience is not None and self.best.patience_count >= patience and not self.done:
+            self.stopped = True
+            self.say(
+                f"step {self.step}: eval loss {loss:.4f} not below the best {self.best.loss:.4f} (step "
+                f"{self.best.step}) for {patience} evaluations: stopping the run here (early_stopping_patience)"
+            )
 
     def finish_step(self, values: dict[str, float], place: StepPlace) -> None:
         """Count the step, add its values to the window, and log, evaluate and save as the config says."""
@@ -219,14 +273,26 @@ class LoopTail:
         if self.save_every and self.step % self.save_every == 0:
             check_finite_adapter(self.engine, self.step, cfg)
             epoch, index = place.following
-            mark = TrainerPosition(self.step, epoch, index, self.plan, log_window=asdict(self.window))
+            self.best.saved(self.step)
+            mark = TrainerPosition(
+                self.step, epoch, index, self.plan, log_window=asdict(self.window), best=asdict(self.best)
+            )
             path = self.run.save_checkpoint(
                 self.step,
                 place.progress,
                 lambda d: write_checkpoint(d, self.engine, mark),
                 cfg.save_total_limit,
+                spare=self.best.checkpoint_step if self.keeps_best else None,
             )
             self.say(f"saved {path}")
 
     def close(self) -> None:
+        """The end of the loop: with the best checkpoint kept, its weights become the run's final ones."""
         self.progress.close()
+        step = self.best.checkpoint_step
+        if self.keeps_best and step is not None and step != self.step:
+            load_engine_state(self.engine, self.run.checkpoint_path(step))
+            self.say(
+                f"loaded checkpoint-{step} (eval loss {self.best.checkpoint_loss:.4f}, the lowest at a save) as the final "
+                "weights (load_best_model_at_end)"
+            )

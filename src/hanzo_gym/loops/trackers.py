@@ -4,7 +4,9 @@ the same metric names, at the row's `step`.
 One interface, one implementation per library (each imported only when its tracker is on; the config already
 checked that it is installed, `hanzo_gym.config.tracking`): `start(cfg, model)` once before training,
 `log(row, step)` for every row, `checkpoint(path, step, epoch)` after a checkpoint is saved,
-`final(write)` with the final adapter (`write(directory)` puts it into a folder), `finish(failed)` at the end.
+`final(write)` with the final adapter (`write(directory)` puts it into a folder), `predictions(records, step)`
+with an evaluation's completions (eval_table_size: a W&B table, an MLflow table artifact, TensorBoard text),
+`finish(failed)` at the end.
 Only the main process logs: `open_trackers` returns no trackers on the other ranks, and the run directory, which
 calls them, writes nothing there either.
 
@@ -55,8 +57,15 @@ class Tracker:
     def final(self, write: Callable[[Path], None]) -> None:
         pass
 
+    def predictions(self, records: list[dict], step: int) -> None:
+        pass
+
     def finish(self, failed: bool = False) -> None:
         pass
+
+
+PREDICTIONS_TABLE = "Eval - Predictions vs Ground Truth"  # Axolotl's name of the table
+PREDICTION_COLUMNS = ("id", "prompt", "reference", "prediction")
 
 
 def _import(name: str) -> Any:
@@ -125,6 +134,12 @@ class WandbTracker(Tracker):
             artifact.add_dir(folder)  # copies the files now, before the folder goes
             self.run.log_artifact(artifact, aliases=["final_model"])
 
+    def predictions(self, records: list[dict], step: int) -> None:
+        rows = [[record[column] for column in PREDICTION_COLUMNS] for record in records]
+        self.run.log(
+            {"step": step, PREDICTIONS_TABLE: self.wandb.Table(columns=list(PREDICTION_COLUMNS), data=rows)}
+        )
+
     def finish(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
 
@@ -152,6 +167,15 @@ class TensorBoardTracker(Tracker):
     def log(self, row: dict[str, float], step: int) -> None:
         for key, value in row.items():
             self.writer.add_scalar(key, value, step)
+
+    def predictions(self, records: list[dict], step: int) -> None:
+        lines = ["| " + " | ".join(PREDICTION_COLUMNS) + " |", "|" + "---|" * len(PREDICTION_COLUMNS)]
+        for record in records:
+            cells = (
+                str(record[column]).replace("|", "\\|").replace("\n", "<br>") for column in PREDICTION_COLUMNS
+            )
+            lines.append("| " + " | ".join(cells) + " |")
+        self.writer.add_text("eval/predictions", "\n".join(lines), step)
 
     def finish(self, failed: bool = False) -> None:
         self.writer.flush()
@@ -196,6 +220,10 @@ class MlflowTracker(Tracker):
     def log(self, row: dict[str, float], step: int) -> None:
         self.mlflow.log_metrics({_MLFLOW_NAME.sub("_", key): value for key, value in row.items()}, step=step)
 
+    def predictions(self, records: list[dict], step: int) -> None:
+        table = {column: [record[column] for record in records] for column in PREDICTION_COLUMNS}
+        self.mlflow.log_table(data=table, artifact_file=f"eval_predictions/step_{step}.json")
+
     def finish(self, failed: bool = False) -> None:
         self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
@@ -236,6 +264,10 @@ class Trackers:
     def final(self, write: Callable[[Path], None]) -> None:
         for tracker in self.trackers:
             tracker.final(write)
+
+    def predictions(self, records: list[dict], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.predictions(records, step)
 
     def finish(self, failed: bool = False) -> None:
         """Finish every tracker, even when one of them fails (the first failure is raised after)."""

@@ -14,6 +14,7 @@ from hanzo_gym.config.kernel_keys import kernel_notes
 from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
 from hanzo_gym.data.axolotl_templates import FAMILY_TEMPLATES, check_template_family
 from hanzo_gym.data.dataset import excess_length_note, load_examples
+from hanzo_gym.data.debug_print import describe_item
 from hanzo_gym.data.preference import load_preferences
 from hanzo_gym.data.prepared import load_prepared
 from hanzo_gym.data.prompts import load_prompts
@@ -241,6 +242,10 @@ def load_run_data(cfg: Config, tokenizer: PreTrainedTokenizerBase, write: bool =
         print(f"dataset_exact_deduplication: left out {data.duplicates} duplicate {what}", flush=True)
     if cfg.rl == "grpo" and data.dropped and is_main():
         print(f"dropped {data.dropped} prompts longer than sequence_len {cfg.sequence_len}", flush=True)
+    if cfg.debug and data.train and is_main():
+        print(
+            f"debug: the first training {what[:-1]}:\n{describe_item(data.train[0], tokenizer)}", flush=True
+        )
     return data, what
 
 
