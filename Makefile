@@ -19,9 +19,11 @@ $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 # the test extra. --no-deps: it requires tml-renderers>=0.4.1 (for Inkling and Kimi models only), which the index
 # does not have.
 	$(PIP) --no-deps tinker-cookbook==0.6.1
-# Axolotl's own prompters and prompt strategies, which tests/test_axolotl_formats.py checks our dataset formats
-# against; --no-deps: they import with our packages, and Axolotl pins its own torch and transformers.
-	$(PIP) --no-deps axolotl==0.19.0
+# Axolotl's own prompters and prompt strategies, which tests/test_axolotl_formats.py and test_mistral_common.py
+# check our dataset formats against; --no-deps: they import with our packages, and Axolotl pins its own torch and
+# transformers. mistral-common (tokenizer_use_mistral_common, the `mistral` extra) likewise: it asks for numpy
+# below 2.4 on Python 3.12 and older, and its tokenizers run on ours (tested), so ours is not downgraded.
+	$(PIP) --no-deps axolotl==0.19.0 mistral-common==1.13.1
 	mkdir -p $(VENV)/models
 	ln -sf "$$($(PY) -c 'from hanzo_gym.model.hub import real_model_gguf; print(real_model_gguf())')" $(VENV)/models/
 	touch $@

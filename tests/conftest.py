@@ -195,3 +195,20 @@ def converted_real_model(tmp_path_factory) -> SimpleNamespace:
 def real(converted_real_model, monkeypatch) -> SimpleNamespace:
     monkeypatch.setenv("HANZO_GYM_CACHE", str(converted_real_model.cache))
     return converted_real_model
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> Path:
+    """A tiny random Mistral with a real Mistral tokenizer: mistral-common's own tekken.json (version 3, which
+    writes the system prompt into the last user turn), as a model repo holds it."""
+    import shutil
+
+    import mistral_common
+    from tiny_models import tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-mistral")
+    shutil.copy(
+        Path(mistral_common.__file__).parent / "data" / "tekken_240911.json", directory / "tekken.json"
+    )
+    tiny_model("mistral", vocab_size=131072, hidden_size=16, intermediate_size=32).save_pretrained(directory)
+    return directory

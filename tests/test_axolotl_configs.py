@@ -114,7 +114,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 67, loading
+    assert len(loading) >= 74, loading
 
 
 @pytest.mark.parametrize(
@@ -135,14 +135,16 @@ def test_most_text_model_lora_and_qlora_examples_load():
         "LiquidAI--lfm2-350m-fft.yaml",  # full fine-tuning with bf16: true (mixed precision; fp32 in this test)
         "phi--phi-ft.yml",  # full fine-tuning, embeddings grown to a multiple of 32, reentrant checkpointing
         "glm45--glm-45-air-qlora.yaml",  # QLoRA on an MoE model with its experts in NF4 (quantize_moe_experts)
+        "devstral--devstral-small-qlora.yml",  # mistral-common's tokenizer and chat encoding, QLoRA
     ],
 )
 def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_changed(
-    name, tmp_path, tiny_base, tiny_moe_base, capsys
+    name, tmp_path, tiny_base, tiny_moe_base, tiny_mistral, capsys
 ):
     assert not EXPECTED[name]
-    moe = "quantize_moe_experts: true" in (CONFIGS / name).read_text()
-    data = _with_local_paths(name, tmp_path, str(tiny_moe_base if moe else tiny_base))
+    text = (CONFIGS / name).read_text()
+    moe, mistral = "quantize_moe_experts: true" in text, "tokenizer_use_mistral_common: true" in text
+    data = _with_local_paths(name, tmp_path, str(tiny_moe_base if moe else tiny_mistral if mistral else tiny_base))
     for key in OTHER_MODEL_KEYS:
         data.pop(key, None)
     if data.get("chat_template") not in (None, "tokenizer_default", "chatml"):  # another model's format

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 VOCAB = 96
 
@@ -28,6 +35,8 @@ def tiny_config(kind: str = "llama", **overrides):
         return Qwen3Config(head_dim=8, **common)
     if kind == "qwen2":
         return Qwen2Config(**common)
+    if kind == "mistral":
+        return MistralConfig(head_dim=8, **common)
     if kind == "qwen3_moe":  # four experts of which each token takes two; stored as 3-D expert tensors
         return Qwen3MoeConfig(
             head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **common

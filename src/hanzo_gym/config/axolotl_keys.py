@@ -80,7 +80,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     **{
         key: (what, "remove it")
         for key, what in (
-            ("tokenizer_use_mistral_common", "Mistral's own tokenizer library"),
             ("experimental_skip_move_to_device", "leaving the model where it loaded"),
             ("processor_type", "a multimodal processor class"),
             ("lora_target_parameters", "LoRA on bare parameters (MoE experts)"),

@@ -360,6 +360,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
     revision_of_model: str | None = None  # a branch, tag or commit of a hub base_model
     trust_remote_code: bool = False  # let transformers run the model repository's own Python code
     tokenizer_config: str | None = None
+    # Mistral's own tokenizer library encodes the chats (Axolotl's default: on for a Magistral model)
+    tokenizer_use_mistral_common: bool | None = None
     special_tokens: SpecialTokens | None = None
     chat_template: str | None = None
     # the tokens that end a turn, trained with it (data/chat_templates.py)
@@ -674,6 +676,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
                 "loss_watchdog_patience needs `loss_watchdog_threshold` (the loss that counts as too high)"
             )
         self._check_type_mappings()
+        if self.uses_mistral_common:
+            self._check_mistral_common()
         if self.rl == "grpo" and any(ds.type == "input_output" for ds in self.datasets):
             raise ValueError(
                 "type: input_output is SFT's (labelled segments have no prompt to answer); rl: grpo reads "
@@ -709,6 +713,29 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
                     f"{len(self.trl.reward_funcs)} trl.reward_funcs; give one weight per function"
                 )
         return self
+
+    @property
+    def uses_mistral_common(self) -> bool:
+        """Axolotl's rule: `tokenizer_use_mistral_common`, and when unset, on for a Magistral model."""
+        if self.tokenizer_use_mistral_common is not None:
+            return self.tokenizer_use_mistral_common
+        names = (self.base_model, self.tokenizer_config or "")
+        return any("magistral" in name.lower() for name in names)
+
+    def _check_mistral_common(self) -> None:
+        """What Axolotl refuses beside mistral-common's tokenizer, whose vocabulary and chat format are its own."""
+        refused = {
+            "special_tokens": self.special_tokens is not None,
+            "tokens": bool(self.tokens),
+            "chat_template": self.chat_template is not None,
+            "eot_tokens": bool(self.eot_tokens),
+        }
+        for key, given in refused.items():
+            if given:
+                raise ValueError(
+                    f"`{key}` with tokenizer_use_mistral_common: mistral-common's tokenizer fixes the vocabulary, "
+                    "its special tokens and how chats are written (Axolotl refuses this too); remove it"
+                )
 
     def _check_type_mappings(self) -> None:
         """A `type:` mapping holds the keys of this run's kind of data only."""

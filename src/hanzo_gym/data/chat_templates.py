@@ -16,6 +16,7 @@ from hanzo_gym.data.axolotl_templates import axolotl_template_names, family_temp
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.renderers import Renderer, RendererError, get_renderer, renderer_names
 from hanzo_gym.renderers.jinja import JinjaRenderer, tokenizer_template
+from hanzo_gym.renderers.mistral_common import MistralCommonRenderer, is_mistral_common
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -73,6 +74,8 @@ def with_end_of_turn_tokens(renderer: Renderer, eot_tokens: list[str]) -> Render
 
 
 def _renderer_for(setting: str | None, tokenizer: PreTrainedTokenizerBase) -> Renderer:
+    if is_mistral_common(tokenizer):  # the config allows no chat_template beside it
+        return MistralCommonRenderer(tokenizer)
     try:
         if setting is None or setting == TOKENIZER_DEFAULT:
             if tokenizer_template(tokenizer) is None:

