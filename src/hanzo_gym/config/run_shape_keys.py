@@ -1,6 +1,6 @@
 """Cross-key rules of Axolotl's keys that shape where a run starts and how its batches are formed:
-`lora_model_dir`, `trust_remote_code`, `pad_to_sequence_len`, `eval_sample_packing`, `group_by_length` and
-`strict`. `Config` declares the keys; its cross-key rules call `check_run_shape_keys`."""
+`lora_model_dir`, `trust_remote_code`, `pad_to_sequence_len`, `eval_sample_packing`, `group_by_length`,
+`curriculum_sampling`, `sample_packing_sequentially` and `strict`. `Config` declares the keys; its cross-key rules call `check_run_shape_keys`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,21 @@ def check_run_shape_keys(cfg) -> None:
             "eval_sample_packing: true packs the eval set only together with sample_packing: true (Axolotl's "
             "rule); set sample_packing: true or remove eval_sample_packing"
         )
+    if cfg.sample_packing_sequentially and not cfg.sample_packing:
+        raise ValueError(
+            "sample_packing_sequentially packs samples in order; without sample_packing: true nothing is packed: "
+            "set it or remove sample_packing_sequentially"
+        )
+    if cfg.curriculum_sampling:
+        if cfg.rl is not None:
+            raise ValueError(
+                f"curriculum_sampling orders SFT examples (Axolotl's SFT sampler); rl: {cfg.rl} does not use it: "
+                "remove it"
+            )
+        if cfg.group_by_length:
+            raise ValueError(
+                "curriculum_sampling keeps the data's order and group_by_length reorders it by length; give one"
+            )
     if cfg.group_by_length:
         if cfg.rl is not None:
             raise ValueError(f"group_by_length orders SFT examples; rl: {cfg.rl} does not use it: remove it")

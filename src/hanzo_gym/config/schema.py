@@ -380,6 +380,12 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
     eval_sample_packing: bool | None = None  # None: as sample_packing (Axolotl's rule)
     pad_to_sequence_len: bool = False  # each SFT row padded to sequence_len tokens (fixed shapes)
     group_by_length: bool = False  # HF's length-grouped order: mega-batches sorted by length
+    # Axolotl's data order: the merged datasets shuffled at load (false: in config and file order), each epoch in
+    # that order rather than shuffled (curriculum_sampling), samples packed in order (sample_packing_sequentially,
+    # which is how hanzo-gym packs anyway)
+    shuffle_merged_datasets: bool = True
+    curriculum_sampling: bool = False
+    sample_packing_sequentially: bool = False
 
     # absent or empty: full fine-tuning (every weight trains), as in Axolotl
     adapter: Literal["lora", "qlora"] | None = None
@@ -713,6 +719,13 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
                     f"{len(self.trl.reward_funcs)} trl.reward_funcs; give one weight per function"
                 )
         return self
+
+    @property
+    def shuffles_at_load(self) -> bool:
+        """Axolotl's merge: the rows shuffled with the seed once loaded (before the validation split), unless
+        shuffle_merged_datasets is false, or curriculum_sampling is on with a single dataset."""
+        single_in_order = self.curriculum_sampling and len(self.datasets) == 1
+        return self.shuffle_merged_datasets and not single_in_order
 
     @property
     def uses_mistral_common(self) -> bool:

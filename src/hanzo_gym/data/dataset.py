@@ -73,7 +73,8 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
     duplicates = 0
     if cfg.dataset_exact_deduplication:
         examples, duplicates = without_duplicates(examples)
-    random.Random(cfg.seed).shuffle(examples)
+    if cfg.shuffles_at_load:
+        random.Random(cfg.seed).shuffle(examples)
     train_count = len(examples) - validation_count(cfg.val_set_size, len(examples))
     return LoadedData(examples[:train_count], examples[train_count:], stats, duplicates)
 

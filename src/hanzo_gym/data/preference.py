@@ -373,7 +373,8 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
     duplicates = 0
     if cfg.dataset_exact_deduplication:
         pairs, duplicates = without_duplicates(pairs)
-    random.Random(cfg.seed).shuffle(pairs)
+    if cfg.shuffles_at_load:
+        random.Random(cfg.seed).shuffle(pairs)
     train_count = len(pairs) - validation_count(cfg.val_set_size, len(pairs))
     return LoadedPreferences(
         pairs[:train_count], pairs[train_count:], [*stats, total_stats(stats)], duplicates

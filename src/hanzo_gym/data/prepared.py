@@ -92,6 +92,8 @@ def load_prepared(
 def prepared_inputs(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """What a prepared entry depends on, as JSON: its hash is the entry's name."""
     settings = cfg.model_dump(mode="json", include=set(DATA_KEYS))
+    if not cfg.shuffles_at_load:  # only then, so that the entries written before the key still match
+        settings["shuffle_merged_datasets"] = False
     files = {
         str(path): _file_sha256(path)
         for ds in cfg.datasets

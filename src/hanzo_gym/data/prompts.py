@@ -143,6 +143,7 @@ def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPromp
     duplicates = 0
     if cfg.dataset_exact_deduplication:
         prompts, duplicates = without_duplicates(prompts)
-    random.Random(cfg.seed).shuffle(prompts)
+    if cfg.shuffles_at_load:
+        random.Random(cfg.seed).shuffle(prompts)
     train_count = len(prompts) - validation_count(cfg.val_set_size, len(prompts))
     return LoadedPrompts(prompts[:train_count], prompts[train_count:], dropped, duplicates)

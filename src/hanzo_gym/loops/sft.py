@@ -49,6 +49,8 @@ def _windows(cfg: Config, train: list[Example], epoch: int) -> list[list[list[in
     if cfg.group_by_length:  # HF's sampler, over its batch: micro_batch_size × gradient_accumulation_steps
         batch_size = cfg.micro_batch_size * cfg.gradient_accumulation_steps
         order = length_grouped_order(lengths, batch_size, cfg.seed, epoch)
+    elif cfg.curriculum_sampling:  # Axolotl's sequential sampler: every epoch in the data's own order
+        order = list(range(len(train)))
     else:
         order = epoch_order(len(train), cfg.seed, epoch)
     batches = micro_batches(lengths, order, cfg.micro_batch_size, pack_to)
@@ -69,6 +71,8 @@ def _plan_fingerprint(cfg: Config, train: list[Example]) -> dict:
         "sequence_len": cfg.sequence_len,
         # Only when set, so that checkpoints written before the key existed still resume.
         **({"group_by_length": True} if cfg.group_by_length else {}),
+        **({"curriculum_sampling": True} if cfg.curriculum_sampling else {}),
+        **({"shuffle_merged_datasets": False} if not cfg.shuffles_at_load else {}),
     }
 
 
