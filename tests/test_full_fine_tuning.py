@@ -145,7 +145,7 @@ BASE = {
     [
         ({"load_in_4bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
         ({"load_in_8bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
-        ({"rl": "grpo", "trl": {"reward_funcs": ["exact_match"]}}, "rl: grpo is not supported yet"),
+        ({"rl": "grpo", "trl": {"reward_funcs": ["exact_match"], "beta": 0.1}}, "set trl.beta: 0"),
         ({"lora_r": 16, "lora_target_linear": True}, "lora_r, lora_target_linear: no `adapter` means full"),
     ],
 )
@@ -219,16 +219,45 @@ def test_full_fine_tuning_dpo_scores_its_reference_before_the_first_step(
     assert main(["train", str(config)]) == 0
     again = load_file(str(tmp_path / "run" / "model.safetensors"))
     assert all(torch.equal(again[k], final[k]) for k in final)
-    with pytest.raises(ConfigError, match="rl: kto is not supported yet"):
-        load_config(
-            _full_dpo(
-                tmp_path,
-                tiny_base,
-                chat_data,
-                rl="kto",
-                datasets=[{"path": "x.jsonl", "type": "llama3.ultra"}],
-            )
-        )
+
+
+def test_full_fine_tuning_kto_scores_every_planned_kl_pair_before_the_first_step(
+    tmp_path, tiny_base, chat_data, capsys
+):
+    """KTO's KL term pairs each prompt with another completion of its micro-batch, and the micro-batches change
+    each epoch: the reference log-probs of every pair of every planned epoch (and of the held-out batches) are
+    scored from the starting model before the first step; a pair missing later would fail the run. The first
+    step's policy is that model: rewards and KL are 0, so the loss is 1 − σ(0) = 0.5. A resume gives the same
+    final weights."""
+    rows = [
+        {
+            "prompt": f"What is {a} plus {b}?",
+            "completion": f"{a + b}." if (a + b) % 2 else f"{a * b + 3}?",
+            "label": bool((a + b) % 2),
+        }
+        for a in range(4)
+        for b in range(3)
+    ]
+    data = tmp_path / "kto.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    keys = {"rl": "kto", "datasets": [{"path": str(data), "type": "llama3.ultra"}], "val_set_size": 2}
+    config = _full_dpo(tmp_path, tiny_base, chat_data, **keys, max_steps=8)  # 10 examples, 5 steps an epoch
+    assert load_config(config).precompute_ref_log_probs
+    assert main(["train", str(config)]) == 0
+    assert "reference log-probs of 12 items" in capsys.readouterr().out
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in logged if "loss" in r]
+    assert len(losses) == 8 and losses[0] == pytest.approx(0.5, abs=1e-5)
+    assert next(r for r in logged if "loss" in r)["kl"] == pytest.approx(0.0, abs=1e-6)
+    final = load_file(str(tmp_path / "run" / "model.safetensors"))
+    (tmp_path / "run" / "model.safetensors").unlink()
+    kept = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in kept if json.loads(line).get("step", 0) <= 6)
+    )
+    assert main(["train", str(config)]) == 0  # from checkpoint-6, in the second epoch
+    again = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert all(torch.equal(again[k], final[k]) for k in final)
 
 
 def test_full_fine_tuning_orpo_needs_no_reference(tmp_path, tiny_base, chat_data):

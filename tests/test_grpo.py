@@ -5,10 +5,12 @@ import json
 import sys
 
 import pytest
+import torch
 import yaml
 from conftest import save_tiny_word_model
 
 from hanzo_gym.cli import main
+from hanzo_gym.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +262,41 @@ def test_a_misspelt_type_is_not_taken_for_a_transform(tmp_path, tiny_word_base, 
         "adapter: lora\nlora_target_linear: true\noutput_dir: out\n"
     )
     assert "did you mean `chatml.intel`" in error_of(tmp_path, text)
+
+
+def test_full_fine_tuning_grpo_samples_from_and_trains_every_weight(
+    tmp_path, tiny_word_base, counting_prompts
+):
+    """No adapter: the sampler reads the live weights, every weight trains, and the run writes the model."""
+    from safetensors.torch import load_file
+
+    path = _config(tmp_path, tiny_word_base, counting_prompts, learning_rate=3e-3)
+    written = yaml.safe_load(path.read_text())
+    for key in ("adapter", "lora_r", "lora_alpha", "lora_target_linear"):
+        written.pop(key)
+    path.write_text(yaml.safe_dump(written))
+    assert main(["train", str(path)]) == 0
+    rows = [r for r in _rows(tmp_path / "run") if "reward" in r]
+    early, late = (sum(r["reward"] for r in part) / 6 for part in (rows[:6], rows[-6:]))
+    assert late > early + 0.3, (early, late)
+    trained, base = (
+        load_file(tmp_path / "run" / "model.safetensors"),
+        load_file(tiny_word_base / "model.safetensors"),
+    )
+    assert all(not torch.equal(trained[name], base[name]) for name in base if name.endswith("proj.weight"))
+
+
+def test_full_fine_tuning_grpo_refuses_what_needs_a_second_model():
+    from config_files import parse_minimal
+
+    grpo = {
+        "rl": "grpo",
+        "adapter": None,
+        "lora_target_linear": None,
+        "datasets": [{"path": "p", "type": "completion"}],
+    }
+    with pytest.raises(ConfigError, match="set trl.beta: 0"):
+        parse_minimal(**grpo, trl={"reward_funcs": ["exact_match"], "beta": 0.04})
+    with pytest.raises(ConfigError, match="a fully trained model has none"):
+        parse_minimal(**grpo, trl={"reward_funcs": ["exact_match"], "use_vllm": True})
+    assert parse_minimal(**grpo, trl={"reward_funcs": ["exact_match"]}).full_fine_tuning

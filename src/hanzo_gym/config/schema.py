@@ -562,17 +562,22 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
                 "no `adapter` means full fine-tuning, which trains every weight: a 4- or 8-bit base cannot "
                 "hold trained weights; set `adapter: qlora` (4-bit) or `adapter: lora` (8-bit)"
             )
-        if self.rl in ("grpo", "kto"):
-            why = (
-                "its sampler folds LoRA deltas" if self.rl == "grpo" else "KTO's KL term needs the reference"
-            )
+        if self.rl == "grpo" and self.trl.beta > 0:
             raise ValueError(
-                f"full fine-tuning (no `adapter`) with rl: {self.rl} is not supported yet ({why} over a frozen "
-                "base); set `adapter: lora`"
+                f"full fine-tuning (no `adapter`) with rl: grpo and trl.beta {self.trl.beta:g}: the KL penalty "
+                "scores each rollout by the starting model, which would need a second copy of it (TRL loads one) "
+                "and is not supported yet; set trl.beta: 0 (TRL's default) or `adapter: lora`"
             )
-        if self.rl in ("dpo", "ipo"):
+        if self.rl == "grpo" and self.trl.use_vllm:
+            raise ValueError(
+                "full fine-tuning (no `adapter`) with trl.use_vllm: vLLM is handed the trained weights as a LoRA "
+                "adapter, and a fully trained model has none; sample on the training engine (remove use_vllm) or "
+                "set `adapter: lora`"
+            )
+        if self.rl in ("dpo", "ipo", "kto"):
             # The reference is the starting model: its log-probs are computed before the first step (TRL's
-            # precompute_ref_log_probs), instead of a second copy of the model in memory as TRL keeps.
+            # precompute_ref_log_probs), instead of a second copy of the model in memory as TRL keeps. KTO's
+            # KL pairs of every planned micro-batch are among them (loops/preference.py).
             self.precompute_ref_log_probs = True
         given = sorted(
             key

@@ -19,7 +19,7 @@ and each pair's loss is weighted by w_c·w_r, w = exp(mean over the completion o
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -187,8 +187,9 @@ class KtoMethod:
     def __init__(self, cfg: Config, engine: Engine, examples: Sequence[KtoExample]):
         self.cfg, self.engine, self.items = cfg, engine, examples
         self.beta = cfg.preference_beta
-        # keyed by (prompt's item, completion's item): the matched and the KL sequences share one store
-        self.reference = _Scores(partial(self._sums, reference=True))
+        # keyed by (prompt's item, completion's item): the matched and the KL sequences share one store; full
+        # fine-tuning has no adapter to disable: its reference is the weights before the first step
+        self.reference = _Scores(partial(self._sums, reference=not engine.full_fine_tuning))
 
     def _sums(self, keys: Sequence[tuple[int, int]], reference: bool = False) -> list[torch.Tensor]:
         """Summed log-probs of prompt i + completion j for each (i, j), by the reference or the policy."""
@@ -274,12 +275,28 @@ class _MetricSums:
         return means, totals[: len(extra)]
 
 
+def _eval_batches(count: int, micro_batch_size: int) -> list[list[int]]:
+    """This process's held-out micro-batches, in order."""
+    return shard(
+        [list(range(i, min(i + micro_batch_size, count))) for i in range(0, count, micro_batch_size)]
+    )
+
+
+def _reference_keys(cfg: Config, batches: Iterable[Sequence[int]]) -> list:
+    """Every item whose reference log-probs these micro-batches need: the items (DPO, IPO), or for KTO each
+    matched (i, i) and each KL pair of its micro-batch."""
+    batches = list(batches)
+    if cfg.rl != "kto":
+        return [i for batch in batches for i in batch]
+    return [key for batch in batches for key in ((i, i) for i in batch)] + [
+        key for batch in batches for key in KtoMethod._mismatched(batch)
+    ]
+
+
 def evaluate(method: PairMethod | KtoMethod, micro_batch_size: int) -> dict[str, float]:
     """The loss and metrics on held-out items: the mean over micro-batches (TRL's eval reduction)."""
-    count = len(method.items)
-    batches = [list(range(i, min(i + micro_batch_size, count))) for i in range(0, count, micro_batch_size)]
     sums = _MetricSums()
-    for batch in shard(batches):
+    for batch in _eval_batches(len(method.items), micro_batch_size):
         prepared = method.prepare(batch)
         logprobs, extras = method.engine.forward_with(method.datums(batch), method.outputs)
         scored = method.loss(batch, logprobs, prepared, **extras)
@@ -292,17 +309,25 @@ def train_preference(
     engine: Engine, cfg: Config, train: Sequence, val: Sequence, run: RunDir, resume_from=None
 ) -> PreferenceResult:
     method, held_out = preference_method(cfg, engine, train), preference_method(cfg, engine, val)
+    total, epochs = planned_steps(cfg, len(_windows(cfg, len(train), 0)))  # max_steps: as long as it says
     if cfg.precompute_ref_log_probs and method.reference is not None:
         started = time.perf_counter()
-        for scoring, count in ((method, len(train)), (held_out, len(val))):
-            keys = list(range(count)) if cfg.rl != "kto" else [(i, i) for i in range(count)]
-            scoring.reference.of(keys, chunk=cfg.micro_batch_size)
+        planned = (
+            batch
+            for epoch in range(epochs)
+            for window in _windows(cfg, len(train), epoch)
+            for batch in shard(window)
+        )
+        for scoring, batches in (
+            (method, planned),
+            (held_out, _eval_batches(len(val), cfg.eval_micro_batch_size)),
+        ):
+            scoring.reference.of(_reference_keys(cfg, batches), chunk=cfg.micro_batch_size)
         print(
             f"reference log-probs of {len(train) + len(val)} items in {time.perf_counter() - started:.1f} s"
         )
         if engine.full_fine_tuning:  # scored with the starting weights: nothing may be scored after a step
             method.reference.frozen = held_out.reference.frozen = True
-    total, epochs = planned_steps(cfg, len(_windows(cfg, len(train), 0)))  # max_steps: as long as it says
     tail = LoopTail(
         engine,
         cfg,
