@@ -16,10 +16,10 @@ from axolotl.prompt_strategies.dpo import user_defined as axolotl_dpo_user_defin
 from axolotl.prompt_strategies.kto import user_defined as axolotl_kto_user_defined
 from axolotl.prompt_tokenizers import AlpacaPromptTokenizingStrategy
 from axolotl.prompters import AlpacaPrompter
-from config_files import error_of, write_tiny_run
+from config_files import error_of, parse_minimal, write_tiny_run
 
 from hanzo_gym.cli import main
-from hanzo_gym.config import DatasetConfig, parse_config
+from hanzo_gym.config import DatasetConfig
 from hanzo_gym.data.dataset import load_examples
 from hanzo_gym.data.preference import load_preferences
 from hanzo_gym.data.prompts import prompt_from_row
@@ -176,16 +176,7 @@ def test_bad_formats_fail_at_load_naming_the_key(tmp_path, dataset_type, message
 
 
 def config(datasets, **keys):
-    return parse_config(
-        {
-            "base_model": "unused",
-            "output_dir": "out",
-            "adapter": "lora",
-            "lora_target_linear": True,
-            "datasets": datasets,
-            **keys,
-        }
-    )
+    return parse_minimal(datasets=datasets, **keys)
 
 
 def test_a_mapping_holds_the_keys_of_its_run_kind_only():
@@ -350,7 +341,9 @@ def test_a_strategy_module_of_the_users_tokenizes_as_axolotl_does(strategies, qw
 
 
 def test_a_strategy_function_gets_the_dataset_entry(strategies, qwen3_tokenizer):
-    examples = sft_examples(strategies, "my_strategies.alpaca_chat.load_fields", qwen3_tokenizer, field="text")
+    examples = sft_examples(
+        strategies, "my_strategies.alpaca_chat.load_fields", qwen3_tokenizer, field="text"
+    )
     assert sorted(qwen3_tokenizer.decode(ids) for ids, _ in examples) == [
         "Add 2 and 3. 5",
         "Say hi. Hello.",

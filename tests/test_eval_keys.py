@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import pytest
 import sacrebleu
 import torch
-import yaml
-from config_files import refusal_of
+from config_files import refusal_of, write_tiny_run
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, EarlyStoppingCallback, Trainer, TrainerControl, TrainerState
 from transformers.trainer_utils import rotate_checkpoints
@@ -134,27 +133,8 @@ def test_checkpoint_rotation_keeps_the_best_as_hf_does(tmp_path):
 
 
 def _config(tmp_path, tiny_base, chat_data, **overrides) -> Path:
-    cfg = {
-        "base_model": str(tiny_base),
-        "datasets": [{"path": str(chat_data), "type": "chat_template"}],
-        "val_set_size": 4,
-        "output_dir": str(tmp_path / "run"),
-        "sequence_len": 64,
-        "adapter": "lora",
-        "lora_r": 4,
-        "lora_alpha": 8,
-        "lora_target_linear": True,
-        "micro_batch_size": 2,
-        "gradient_accumulation_steps": 1,
-        "learning_rate": 5e-3,
-        "logging_steps": 1,
-        "bf16": False,
-        "seed": 7,
-        **overrides,
-    }
-    path = tmp_path / f"run-{len(list(tmp_path.glob('*.yaml')))}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    keys = {"val_set_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 1, **overrides}
+    return write_tiny_run(tmp_path, tiny_base, chat_data, **keys)
 
 
 def _rows(run: Path) -> list[dict]:

@@ -158,7 +158,7 @@ def test_what_full_fine_tuning_cannot_go_with_fails_at_load(keys, message):
     ).full_fine_tuning
 
 
-def test_merge_and_the_trainjob_entry_say_what_to_do_instead(tmp_path, tiny_base, chat_data):
+def test_merge_says_a_full_fine_tune_has_nothing_to_merge(tmp_path, tiny_base, chat_data):
     from hanzo_gym.cli.merge import adapter_directory
     from hanzo_gym.errors import GymError
 

@@ -238,8 +238,13 @@ def test_dataset_dir_missing_or_empty(dirs, tmp_path):
     ("values", "expected"),
     [
         ({"METHOD": "qlora", "QUANT_4BIT": "false"}, "QLoRA is a 4-bit base; send QUANT_4BIT=true"),
-        ({"METHOD": "full"}, "METHOD=full: full fine-tuning is not supported"),
-        ({"METHOD": "dpo"}, "METHOD=dpo: unknown method; send METHOD=lora or METHOD=qlora"),
+        ({"METHOD": "full", "QUANT_4BIT": "true"}, "which a 4-bit base cannot hold; send QUANT_4BIT=false"),
+        (
+            {"METHOD": "full", "LORA_RANK": "16"},
+            "LORA_RANK=16 with METHOD=full: full fine-tuning trains every",
+        ),
+        ({"METHOD": "full", "MERGE": "false"}, "MERGE=false with METHOD=full"),
+        ({"METHOD": "dpo"}, "METHOD=dpo: unknown method; send METHOD=lora, qlora or full"),
         ({"QUANT_4BIT": "maybe"}, "QUANT_4BIT=maybe: not a boolean; send true or false"),
         ({"GRADIENT_CHECKPOINTING": "sometimes"}, "GRADIENT_CHECKPOINTING=sometimes: not a boolean"),
         ({"MERGE": "perhaps"}, "MERGE=perhaps: not a boolean"),
@@ -310,7 +315,7 @@ def test_qlora_is_a_lora_adapter_on_a_4bit_base(dirs, values, qlora):
 
 
 def test_all_problems_are_reported_together(dirs):
-    message = _error(_env(dirs, METHOD="full", TASK="poetry", EPOCHS="0.5", LORA_RANK="r"))
+    message = _error(_env(dirs, METHOD="sft", TASK="poetry", EPOCHS="0.5", LORA_RANK="r"))
     lines = message.splitlines()
     assert [line.split("=", 1)[0] for line in lines] == ["METHOD", "TASK", "EPOCHS", "LORA_RANK"]
 
@@ -349,11 +354,19 @@ def test_dry_run_prints_yaml_that_gym_train_accepts(dirs, capsys, monkeypatch):
 
 
 def test_cli_reports_env_errors_without_traceback(dirs, capsys, monkeypatch):
-    for name, value in _env(dirs, METHOD="full").items():
+    for name, value in _env(dirs, METHOD="dpo").items():
         monkeypatch.setenv(name, value)
     assert main(["trainjob", "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: METHOD=full") and "Traceback" not in err
+    assert err.startswith("error: METHOD=dpo") and "Traceback" not in err
+
+
+def test_method_full_is_full_fine_tuning_with_the_brokers_lora_zeros(dirs):
+    """The hanzo-ft-full runtime sends METHOD=full and the broker's LoRA values as 0: no adapter, every weight."""
+    job = trainjob_from_env(_env(dirs, METHOD="full", LORA_RANK="0", LORA_ALPHA="0", LORA_DROPOUT="0"))
+    cfg = job.config
+    assert cfg.full_fine_tuning and not cfg.load_in_4bit and cfg.adapter is None
+    assert trainjob_from_env(_env(dirs, METHOD="FULL", QUANT_4BIT="false")).config.full_fine_tuning
 
 
 def test_a_bad_data_row_leaves_the_previous_outputs_intact(tmp_path, tiny_base, capsys, monkeypatch):

@@ -194,6 +194,45 @@ def test_trainjob_end_to_end_with_the_manifest_environment(tmp_path, tiny_base, 
     assert AutoTokenizer.from_pretrained(output)("What is 2 plus 2?")["input_ids"]
 
 
+def test_method_full_writes_the_trained_model_where_the_merged_one_goes(
+    tmp_path, tiny_base, monkeypatch, capsys
+):
+    """METHOD=full (the hanzo-ft-full runtime, with the broker's LoRA values 0): every weight trained, the model
+    at OUTPUT_DIR's top as deploy serves it, run/ inside, and no adapter/ (an earlier job's is removed)."""
+    workspace = _workspace(tmp_path, tiny_base)
+    _set_env(
+        monkeypatch,
+        workspace,
+        METHOD="full",
+        QUANT_4BIT="false",
+        LORA_RANK="0",
+        LORA_ALPHA="0",
+        LORA_DROPOUT="0",
+    )
+    output = workspace / "output"
+    (output / "adapter").mkdir(parents=True)
+    (output / "adapter" / "adapter_config.json").write_text('{"r": 16}')
+    assert main(["trainjob"]) == 0
+    printed = capsys.readouterr().out
+    assert "#   trained model:" in printed and "removed the previous run's adapter/" in printed
+    assert not (output / "adapter").exists()
+    resolved = json.loads((output / "run" / "run_config.json").read_text())
+    assert resolved["adapter"] is None
+    trained, base = (
+        AutoModelForCausalLM.from_pretrained(output),
+        AutoModelForCausalLM.from_pretrained(tiny_base),
+    )
+    assert (output / "model.safetensors").stat().st_mode & 0o044 == 0o044
+    moved = [
+        name
+        for name, weight in base.state_dict().items()
+        if not torch.equal(weight, trained.state_dict()[name])
+    ]
+    assert any("mlp" in name for name in moved) and any("embed_tokens" in name for name in moved)
+    assert AutoTokenizer.from_pretrained(output)("What is 2 plus 2?")["input_ids"]
+    assert not [p for p in output.rglob(".*")]
+
+
 def test_a_crash_while_writing_the_merged_model_leaves_nothing_half_written(tmp_path, tiny_base, monkeypatch):
     workspace = _workspace(tmp_path, tiny_base)
     _set_env(monkeypatch, workspace)

@@ -11,7 +11,9 @@ What lands in OUTPUT_DIR (what the broker's deploy step serves):
     OUTPUT_DIR/adapter/      the PEFT adapter (adapter_config.json, adapter_model.safetensors, tokenizer)
     OUTPUT_DIR/run/          the run directory: run_config.json (the resolved config), metrics.jsonl, …
 
-With MERGE=false only adapter/ and run/ are written. Under torchrun only rank 0 writes.
+With MERGE=false only adapter/ and run/ are written. METHOD=full (the hanzo-ft-full runtime) trains every weight:
+the trained model itself is at the top and there is no adapter/ (an earlier job's is removed). Under torchrun only
+rank 0 writes.
 
 A job that fails (a bad data row, a reward that raises, a loss that diverges) leaves what an earlier job wrote
 there as it was: the earlier merged model and adapter are replaced only once the new ones are complete, and the
@@ -169,25 +171,27 @@ def _parse_number(name: str, raw: str, kind: type, problems: _Problems) -> int |
     return value
 
 
-def _is_qlora(env: dict[str, str], problems: _Problems) -> bool:
-    """Whether the job is QLoRA (a LoRA adapter on a 4-bit base): METHOD=qlora or QUANT_4BIT=true."""
+def _method(env: dict[str, str], problems: _Problems) -> str:
+    """lora, qlora (a LoRA adapter on a 4-bit base: METHOD=qlora or QUANT_4BIT=true) or full."""
     # Unset means lora: the runtime that runs this image sets METHOD, and plain LoRA needs no bitsandbytes.
     raw = env.get("METHOD", "lora")
     method = raw.lower()
-    if method == "full":
-        problems.add(
-            f"METHOD={raw}: full fine-tuning is not supported by hanzo-gym yet; send METHOD=lora or qlora, or "
-            "run the job on the hanzo-ft-full runtime"
-        )
-    elif method not in ("lora", "qlora"):
-        problems.add(f"METHOD={raw}: unknown method; send METHOD=lora or METHOD=qlora")
+    if method not in ("lora", "qlora", "full"):
+        problems.add(f"METHOD={raw}: unknown method; send METHOD=lora, qlora or full")
     four_bit = _parse_bool("QUANT_4BIT", env.get("QUANT_4BIT"), method == "qlora", problems)
+    if method == "full":
+        if four_bit:
+            problems.add(
+                f"METHOD={raw} with QUANT_4BIT={env['QUANT_4BIT']}: full fine-tuning trains every weight, which "
+                "a 4-bit base cannot hold; send QUANT_4BIT=false (or leave it unset), or METHOD=qlora"
+            )
+        return "full"
     if method == "qlora" and "QUANT_4BIT" in env and not four_bit:
         problems.add(
             f"METHOD={raw} with QUANT_4BIT={env['QUANT_4BIT']}: QLoRA is a 4-bit base; send QUANT_4BIT=true "
             "(or leave it unset), or METHOD=lora"
         )
-    return four_bit
+    return "qlora" if four_bit else "lora"
 
 
 def _base_model(env: dict[str, str], problems: _Problems) -> tuple[str | None, str | None]:
@@ -297,7 +301,8 @@ def trainjob_from_env(environ: Mapping[str, str]) -> TrainJob:
     """The TrainJob that these environment variables describe; ConfigError lists every problem."""
     env = read_env(environ)
     problems = _Problems()
-    qlora = _is_qlora(env, problems)
+    method = _method(env, problems)
+    full = method == "full"
     checkpointing = _parse_bool("GRADIENT_CHECKPOINTING", env.get("GRADIENT_CHECKPOINTING"), False, problems)
     task = env.get("TASK")
     if task is None:
@@ -320,9 +325,22 @@ def trainjob_from_env(environ: Mapping[str, str]) -> TrainJob:
     for name, (key, kind, default) in NUMERIC.items():
         raw = env.get(name)
         value = default if raw is None else _parse_number(name, raw, kind, problems)
+        if full and key.startswith("lora_"):
+            # the broker sends its LoRA values as 0 for a full fine-tune: they set nothing then
+            if raw is not None and value not in (None, 0):
+                problems.add(
+                    f"{name}={raw} with METHOD=full: full fine-tuning trains every weight, with no LoRA; send "
+                    f"{name}=0 (or leave it unset), or METHOD=lora"
+                )
+            continue
         if value is not None:
             numbers[key] = value
     merge = _parse_bool("MERGE", env.get("MERGE"), True, problems)
+    if full and not merge:
+        problems.add(
+            "MERGE=false with METHOD=full: a full fine-tune is the model itself, with no adapter to keep "
+            "unmerged; leave MERGE unset"
+        )
     if base_model and Path(base_model).is_dir() and Path(base_model).resolve() == output_dir.resolve():
         problems.add(f"OUTPUT_DIR={output_dir}: is the model folder itself; write the results elsewhere")
     problems.raise_if_any()
@@ -331,9 +349,9 @@ def trainjob_from_env(environ: Mapping[str, str]) -> TrainJob:
         "base_model": base_model,
         "datasets": [{"path": str(path), "type": TASKS[task.lower()]} for path in files],
         "output_dir": str(output_dir / RUN_SUBDIR),
-        "adapter": "qlora" if qlora else "lora",
-        "load_in_4bit": qlora,
-        "lora_target_linear": True,
+        **(
+            {} if full else {"adapter": method, "load_in_4bit": method == "qlora", "lora_target_linear": True}
+        ),
         "num_epochs": epochs,
         "gradient_checkpointing": checkpointing,
         "bf16": "auto",
@@ -369,8 +387,16 @@ def resolved_yaml(job: TrainJob) -> str:
     """The resolved config as YAML that `gym train` accepts, with the OUTPUT_DIR layout as comments."""
     header = [
         f"# gym trainjob: OUTPUT_DIR={job.output_dir}",
-        f"#   merged model: {job.output_dir}" if job.merge else "#   merged model: none (MERGE=false)",
-        f"#   adapter:      {job.adapter_dir}",
+        *(
+            [f"#   trained model: {job.output_dir} (METHOD=full: no adapter)"]
+            if job.config.full_fine_tuning
+            else [
+                f"#   merged model: {job.output_dir}"
+                if job.merge
+                else "#   merged model: none (MERGE=false)",
+                f"#   adapter:      {job.adapter_dir}",
+            ]
+        ),
         f"#   run files:    {job.config.output_dir}",
     ]
     if job.data_files:
@@ -428,6 +454,29 @@ def _publish_merged(job: TrainJob) -> None:
         print(f"removed the previous run's {', '.join(stale)} from {job.output_dir}", flush=True)
 
 
+def _publish_trained_model(job: TrainJob) -> None:
+    """METHOD=full: the model the run wrote (in run/, where gym train writes it) copied to OUTPUT_DIR's top as
+    the merged model is, config.json last; an earlier job's adapter/ does not belong to it and goes."""
+    from hanzo_gym.files import publish_files_into, remove_entry
+
+    run_dir = Path(job.config.output_dir)
+    files = sorted(
+        {path for pattern in _MODEL_FILE_PATTERNS for path in run_dir.glob(pattern) if path.is_file()}
+    )
+
+    def write(directory: Path) -> None:
+        for path in files:
+            shutil.copyfile(path, directory / path.name)
+        _readable_by_all(directory)
+
+    stale = publish_files_into(write, job.output_dir, marker="config.json", replaces=_MODEL_FILE_PATTERNS)
+    if job.adapter_dir.exists():
+        remove_entry(job.adapter_dir)
+        stale.append(f"{ADAPTER_SUBDIR}/")
+    if stale:
+        print(f"removed the previous run's {', '.join(stale)} from {job.output_dir}", flush=True)
+
+
 def _readable_by_all(directory: Path) -> None:
     """safetensors files come out owner-only (0600); a pod that serves OUTPUT_DIR may run as another user."""
     for path in directory.iterdir():
@@ -440,11 +489,6 @@ def run_trainjob(job: TrainJob) -> None:
     from hanzo_gym.engine.distributed import init_from_env, is_main, shutdown
     from hanzo_gym.loops.train import run_training
 
-    if job.config.full_fine_tuning:
-        raise ConfigError(
-            "the TrainJob entry trains a LoRA adapter and merges it; full fine-tuning (no `adapter`) is not "
-            "supported there yet: set `adapter: lora`, or run `gym train` for a full fine-tuning run"
-        )
     init_from_env()
     try:
         if is_main():
@@ -453,8 +497,13 @@ def run_trainjob(job: TrainJob) -> None:
                 raise ConfigError(f"OUTPUT_DIR={job.output_dir}: exists and is not a directory")
             job.output_dir.mkdir(parents=True, exist_ok=True)
             _remove_abandoned_staging(job.output_dir)
-        run_training(job.config, adapter_dir=job.adapter_dir)
+        full = job.config.full_fine_tuning
+        run_training(job.config, adapter_dir=None if full else job.adapter_dir)
         if not is_main():
+            return
+        if full:
+            _publish_trained_model(job)
+            print(f"wrote the trained model to {job.output_dir}", flush=True)
             return
         _readable_by_all(job.adapter_dir)
         if job.base_model_name:

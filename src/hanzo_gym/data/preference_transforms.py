@@ -55,11 +55,11 @@ def mapping_transform(mapping: DatasetTypeMapping, kto: bool) -> RowTransform:
         system = row.data.get(mapping.field_system)
         new = dict(row.data)
         new["prompt"] = prompt_format.format(
-            prompt=_string(row, field_prompt, "field_prompt"),
+            prompt=row.string(field_prompt, "field_prompt"),
             system=system if isinstance(system, str) else "",
         )
         for name, (field, form) in completions.items():
-            new[name] = (form or f"{{{name}}}").format(**{name: _string(row, field, f"field_{name}")})
+            new[name] = (form or f"{{{name}}}").format(**{name: row.string(field, f"field_{name}")})
         if kto:
             field_label = mapping.field_label or "label"
             if field_label not in row.data:
@@ -70,10 +70,3 @@ def mapping_transform(mapping: DatasetTypeMapping, kto: bool) -> RowTransform:
         return Row(new, row.file, row.line)
 
     return transform
-
-
-def _string(row: Row, field: str, setting: str) -> str:
-    value = row.data.get(field)
-    if not isinstance(value, str):
-        raise DataError(f"{row.file} row {row.line}: row has no `{field}` string ({setting} = `{field}`)")
-    return value

@@ -46,13 +46,6 @@ def _row_answer(row: Row) -> str | None:
     return None
 
 
-def _required(row: Row, key: str, setting: str) -> str:
-    value = row.data.get(key)
-    if not isinstance(value, str):
-        raise DataError(f"{row.file} row {row.line}: row has no `{key}` string ({setting} = `{key}`)")
-    return value
-
-
 def prompt_from_row(
     row: Row, ds: DatasetConfig, tokenizer: PreTrainedTokenizerBase, renderer: Renderer | None
 ) -> Prompt:
@@ -63,7 +56,7 @@ def prompt_from_row(
     if is_user_transform(ds.type):
         return _trl_prompt(row, ds, tokenizer, renderer)
     if ds.type == "completion":
-        text = _required(row, ds.field, "field")
+        text = row.string(ds.field, "field")
         columns = _other_columns(row, (ds.field,))
         return Prompt(tokenizer.encode(text, add_special_tokens=True), text, _row_answer(row), None, columns)
     if _text_format(ds):
@@ -72,7 +65,7 @@ def prompt_from_row(
         columns = _other_columns(row, ds.instruction_fields)
         return Prompt(tokenizer.encode(text, add_special_tokens=True), text, answer, None, columns)
     if ds.type == "alpaca":
-        instruction = _required(row, ds.field_instruction, "field_instruction")
+        instruction = row.string(ds.field_instruction, "field_instruction")
         extra = row.data.get(ds.field_input)
         content = f"{instruction}\n\n{extra}" if isinstance(extra, str) and extra else instruction
         messages, answer = [{"role": "user", "content": content}], row.data.get(ds.field_output)

@@ -67,6 +67,15 @@ class Row:
     file: str
     line: int
 
+    def string(self, field: str, setting: str) -> str:
+        """The row's `field`, which must be a string; DataError naming the row and the setting that named it."""
+        value = self.data.get(field)
+        if not isinstance(value, str):
+            raise DataError(
+                f"{self.file} row {self.line}: row has no `{field}` string ({setting} = `{field}`)"
+            )
+        return value
+
 
 @dataclass(frozen=True)
 class Split:

@@ -145,8 +145,8 @@ def _message_text(value: Any, where: str, field: str) -> str:
 def instruction_prompt(row: Row, ds: DatasetConfig) -> tuple[str, str]:
     """The row's prompt text in the dataset's instruction format, and its output."""
     instruction_field, input_field, output_field = ds.instruction_fields
-    instruction = _required_string(row, instruction_field, "field_instruction")
-    output = _required_string(row, output_field, "field_output")
+    instruction = row.string(instruction_field, "field_instruction")
+    output = row.string(output_field, "field_output")
     input_text = row.data.get(input_field)
     form = ds.instruction_format
     row_system = None
@@ -199,7 +199,7 @@ def segments_example(row: Row, ctx: StrategyContext) -> Example:
 
 
 def completion_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example:
-    text = _required_string(row, ds.field, "field")
+    text = row.string(ds.field, "field")
     ids = _ending_with(ctx.encode(text, add_special_tokens=True), ctx.eos_id)
     return Example(ids, list(ids))
 
@@ -209,13 +209,6 @@ def completion_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Exa
 
 def _where(row: Row) -> str:
     return f"{row.file} row {row.line}"
-
-
-def _required_string(row: Row, name: str, setting: str) -> str:
-    value = row.data.get(name)
-    if not isinstance(value, str):
-        raise DataError(f"{_where(row)}: row has no `{name}` string ({setting} = `{name}`)")
-    return value
 
 
 def _ending_with(ids: list[int], token: int) -> list[int]:
