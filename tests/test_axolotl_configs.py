@@ -144,7 +144,9 @@ def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_ch
     assert not EXPECTED[name]
     text = (CONFIGS / name).read_text()
     moe, mistral = "quantize_moe_experts: true" in text, "tokenizer_use_mistral_common: true" in text
-    data = _with_local_paths(name, tmp_path, str(tiny_moe_base if moe else tiny_mistral if mistral else tiny_base))
+    data = _with_local_paths(
+        name, tmp_path, str(tiny_moe_base if moe else tiny_mistral if mistral else tiny_base)
+    )
     for key in OTHER_MODEL_KEYS:
         data.pop(key, None)
     if data.get("chat_template") not in (None, "tokenizer_default", "chatml"):  # another model's format
@@ -206,3 +208,48 @@ def test_phi3_ft_trains_with_its_generation_eval_early_stopping_and_debug_print(
     assert [row["step"] for row in evals] == [0, 1, 2] and all(row["eval/perplexity"] > 1 for row in evals)
     predictions = (tmp_path / "run" / "eval_predictions.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in predictions] == [0, 0, 1, 1, 2, 2]
+
+
+GDPO_REWARDS = """
+def gsm8k_transform(cfg, *args, **kwargs):
+    def transform(row, tokenizer=None):
+        return {"prompt": [{"role": "user", "content": row["question"]}], "answer": row["answer"].split("#### ")[-1]}
+
+    return transform
+
+
+def format_reward(completions, **kwargs):
+    return [1.0 if c[0]["content"].strip() else 0.0 for c in completions]
+
+
+def correctness_reward(completions, answer, **kwargs):
+    return [2.0 if a in c[0]["content"] else 0.0 for c, a in zip(completions, answer)]
+"""
+
+
+def test_the_gdpo_example_trains_with_the_reward_module_its_user_writes(
+    tmp_path, tiny_base, monkeypatch, capsys
+):
+    """llama-3--qlora-1b-gdpo.yaml: rl: gdpo (GRPO with each reward normalized before the sum), its two weighted
+    rewards, log_completions; its `rwd` module is the user's (Axolotl ships none), written here as a user would."""
+    (tmp_path / "rwd.py").write_text(GDPO_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _with_local_paths("llama-3--qlora-1b-gdpo.yaml", tmp_path, str(tiny_base))
+    rows = [{"question": f"What is {a} plus 2?", "answer": f"So {a + 2}.\n#### {a + 2}"} for a in range(8)]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data["datasets"][0]["path"] = str(tmp_path / "gsm8k.jsonl")
+    for key in ("chat_template", "special_tokens"):  # Llama 3's: the tiny model is a Qwen3
+        data.pop(key)
+    data.update(max_steps=2, bf16=False, gradient_accumulation_steps=1, sequence_len=128, lora_r=8)
+    data.update(
+        gradient_checkpointing=False, attn_implementation=None, optimizer="adamw_torch", warmup_steps=0
+    )
+    data["trl"].update(max_completion_length=8)
+    path = tmp_path / "gdpo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["train", str(path)]) == 0
+    assert " completion: " in capsys.readouterr().out  # log_completions, num_completions_to_print: 3
+    resolved = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert resolved["rl"] == "grpo" and resolved["trl"]["multi_objective_aggregation"] == "normalize_then_sum"
+    records = (tmp_path / "run" / "completions.jsonl").read_text().splitlines()
+    assert {"rwd.format_reward", "rwd.correctness_reward", "advantage"} <= json.loads(records[0]).keys()

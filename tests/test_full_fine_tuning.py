@@ -72,6 +72,30 @@ def test_one_step_equals_plain_pytorch(tmp_path, tiny_base, chat_data, qwen3_tok
     )
 
 
+def test_a_kept_reference_scores_with_the_starting_weights_after_steps(
+    tmp_path, tiny_base, chat_data, qwen3_tokenizer
+):
+    """GRPO's KL penalty in full fine-tuning: Engine.keep_reference keeps the weights as they are, and
+    forward(reference=True) scores with them however the trained ones move: exactly the starting model's."""
+    engine = build_engine(
+        load_config(_full_run(tmp_path, tiny_base, chat_data)),
+        torch.device("cpu"),
+        torch.float32,
+        qwen3_tokenizer,
+    )
+    tokens = [qwen3_tokenizer.encode(text) for text in TEXTS]
+    datums = [Datum.from_tokens(t[:-1], target_tokens=t[1:], weights=[1.0] * (len(t) - 1)) for t in tokens]
+    starting = engine.forward(datums)
+    engine.keep_reference()
+    for _ in range(2):
+        engine.forward_backward(datums, "cross_entropy")
+        engine.optim_step(AdamParams(learning_rate=1e-2))
+    trained, reference = engine.forward(datums), engine.forward(datums, reference=True)
+    assert all(torch.equal(r, s) for r, s in zip(reference, starting))
+    assert not any(torch.equal(t, s) for t, s in zip(trained, starting))
+    assert all(torch.equal(t, again) for t, again in zip(trained, engine.forward(datums)))  # swapped back
+
+
 def test_bf16_is_mixed_precision_over_fp32_weights(tmp_path, tiny_base, chat_data, qwen3_tokenizer, capsys):
     cfg = load_config(_full_run(tmp_path, tiny_base, chat_data, bf16=True))
     tokens = [qwen3_tokenizer.encode(text) for text in TEXTS]
@@ -145,7 +169,10 @@ BASE = {
     [
         ({"load_in_4bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
         ({"load_in_8bit": True}, "a 4- or 8-bit base cannot hold trained weights"),
-        ({"rl": "grpo", "trl": {"reward_funcs": ["exact_match"], "beta": 0.1}}, "set trl.beta: 0"),
+        (
+            {"rl": "grpo", "trl": {"reward_funcs": ["exact_match"], "use_vllm": True}},
+            "a fully trained model has none",
+        ),
         ({"lora_r": 16, "lora_target_linear": True}, "lora_r, lora_target_linear: no `adapter` means full"),
     ],
 )

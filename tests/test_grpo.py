@@ -2,6 +2,7 @@
 the metrics users know, KL and resume work."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -286,7 +287,7 @@ def test_full_fine_tuning_grpo_samples_from_and_trains_every_weight(
     assert all(not torch.equal(trained[name], base[name]) for name in base if name.endswith("proj.weight"))
 
 
-def test_full_fine_tuning_grpo_refuses_what_needs_a_second_model():
+def test_full_fine_tuning_grpo_refuses_vllm_rollouts():
     from config_files import parse_minimal
 
     grpo = {
@@ -295,8 +296,82 @@ def test_full_fine_tuning_grpo_refuses_what_needs_a_second_model():
         "lora_target_linear": None,
         "datasets": [{"path": "p", "type": "completion"}],
     }
-    with pytest.raises(ConfigError, match="set trl.beta: 0"):
-        parse_minimal(**grpo, trl={"reward_funcs": ["exact_match"], "beta": 0.04})
     with pytest.raises(ConfigError, match="a fully trained model has none"):
         parse_minimal(**grpo, trl={"reward_funcs": ["exact_match"], "use_vllm": True})
     assert parse_minimal(**grpo, trl={"reward_funcs": ["exact_match"]}).full_fine_tuning
+
+
+def test_gdpo_is_grpo_with_each_reward_normalized_before_the_sum(tmp_path, tiny_word_base, counting_prompts):
+    """Axolotl's `rl: gdpo`: TRL's multi_objective_aggregation normalize_then_sum, whatever the rewards' scales."""
+    from hanzo_gym.config import load_config
+
+    path = _config(
+        tmp_path,
+        tiny_word_base,
+        counting_prompts,
+        rl="gdpo",
+        trl={"reward_funcs": ["format:four", "length:2"], "reward_weights": [1.0, 0.5]},
+    )
+    cfg = load_config(path)
+    assert (cfg.rl, cfg.trl.multi_objective_aggregation) == ("grpo", "normalize_then_sum")
+    assert main(["train", str(path)]) == 0
+    rows = [r for r in _rows(tmp_path / "run") if "reward" in r]
+    early, late = (sum(r["rewards/format:four/mean"] for r in part) / 6 for part in (rows[:6], rows[-6:]))
+    assert late > early + 0.3, (early, late)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (
+            {"rl": "gdpo", "trl": {"multi_objective_aggregation": "sum_then_normalize"}},
+            "is GRPO (Axolotl's rule)",
+        ),
+        (
+            {"trl": {"multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "batch"}},
+            "remove scale_rewards",
+        ),
+        ({"save_safetensors": False}, "hanzo-gym writes safetensors only"),
+    ],
+)
+def test_gdpo_and_checkpoint_format_mistakes_are_refused(keys, message):
+    from config_files import parse_minimal
+
+    grpo = {"rl": "grpo", "datasets": [{"path": "p", "type": "completion"}]}
+    trl = {"reward_funcs": ["exact_match"], **keys.pop("trl", {})}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_minimal(**{**grpo, **keys, "trl": trl})
+
+
+def test_log_completions_writes_each_logged_rows_completions_as_trl_logs_them(
+    tmp_path, tiny_word_base, counting_prompts, capsys
+):
+    path = _config(
+        tmp_path,
+        tiny_word_base,
+        counting_prompts,
+        max_steps=4,
+        logging_steps=2,
+        trl={
+            "reward_funcs": ["format:four", "length:2"],
+            "log_completions": True,
+            "num_completions_to_print": 3,
+        },
+    )
+    assert main(["train", str(path)]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if " completion: " in line]
+    assert (
+        len(printed) == 6
+        and printed[0].startswith("step 2 completion: '")
+        and printed[3].startswith("step 4")
+    )
+    records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    # a row every 2 steps, each step 4 prompts × 8 completions: TRL's columns, the row's step
+    assert [r["step"] for r in records] == [2] * 64 + [4] * 64
+    assert list(records[0]) == ["step", "prompt", "completion", "format:four", "length:2", "advantage"]
+    group = records[:8]  # one prompt's completions: advantages centred in the group (the default scaling)
+    assert sum(r["advantage"] for r in group) == pytest.approx(0.0, abs=1e-6)
+    assert {r["format:four"] for r in records} <= {0.0, 1.0} and {r["length:2"] for r in records} <= {
+        0.0,
+        -1.0,
+    }

@@ -65,3 +65,34 @@ def test_sample_train_metrics():
     assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 3)
     assert metrics["clip_ratio/low_mean"] == pytest.approx(1 / 3)
     assert metrics["clip_ratio/region_mean"] == pytest.approx(2 / 3)
+
+
+def _trl_normalize_then_sum(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, group: int
+) -> torch.Tensor:
+    """TRL 1.16's GRPOTrainer advantages under multi_objective_aggregation="normalize_then_sum" (its lines, with
+    its own nanstd), for completions [N, functions] in group order."""
+    from trl.trainer.utils import nanstd
+
+    grouped = rewards_per_func.view(-1, group, rewards_per_func.shape[1])
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True) if group > 1 else torch.zeros_like(mean_k)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+    rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+    std_rewards = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    return (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_decoupled_advantages_equal_trls_normalize_then_sum(group):
+    from hanzo_gym.loops.rl_math import decoupled_advantages
+
+    generator = torch.Generator().manual_seed(group)
+    scores = torch.randint(0, 3, (3 * group, 2), generator=generator).double()  # ties: constant groups too
+    scores[:, 1] *= 0.5
+    weights = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    ours = decoupled_advantages(scores.T.tolist(), weights.tolist(), group)
+    assert [len(g) for g in ours] == [group] * 3
+    expected = _trl_normalize_then_sum(scores, weights, group).tolist()
+    # TRL's nanstd takes its Bessel factor in float32 (count / (count − 1) of integer tensors): 1e-7 apart
+    assert [a for g in ours for a in g] == pytest.approx(expected, rel=1e-6)

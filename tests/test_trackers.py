@@ -375,7 +375,7 @@ def test_eval_predictions_reach_each_tracker_as_a_table(tmp_path, monkeypatch, o
     import mlflow
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from hanzo_gym.loops.trackers import PREDICTIONS_TABLE, open_trackers
+    from hanzo_gym.loops.trackers import WANDB_TABLES, open_trackers
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
@@ -393,27 +393,28 @@ def test_eval_predictions_reach_each_tracker_as_a_table(tmp_path, monkeypatch, o
         {"step": 4, "id": 1, "prompt": "3+3?\nquick", "reference": "6", "prediction": "5"},
     ]
     trackers = open_trackers(cfg, model=None)
-    trackers.predictions(records, 4)
+    trackers.table("eval_predictions", records, 4)
     trackers.finish()
 
     history, _ = _wandb_history(tmp_path)
-    (logged,) = [row for row in history if PREDICTIONS_TABLE in row or f"{PREDICTIONS_TABLE}/_type" in row]
+    name = WANDB_TABLES["eval_predictions"]
+    (logged,) = [row for row in history if name in row or f"{name}/_type" in row]
     assert logged["step"] == 4
     table_files = list(tmp_path.glob("wandb/offline-run-*/files/media/table/*.table.json"))
     (table,) = [json.loads(path.read_text()) for path in table_files]
-    assert table["columns"] == ["id", "prompt", "reference", "prediction"]
-    assert table["data"] == [[0, "2+2?", "4", "4 | four"], [1, "3+3?\nquick", "6", "5"]]
+    assert table["columns"] == ["step", "id", "prompt", "reference", "prediction"]
+    assert table["data"] == [[4, 0, "2+2?", "4", "4 | four"], [4, 1, "3+3?\nquick", "6", "5"]]
 
     client = mlflow.MlflowClient(store)
     (found,) = client.search_runs([client.get_experiment_by_name("tables").experiment_id])
     local = Path(client.download_artifacts(found.info.run_id, "eval_predictions/step_4.json", str(tmp_path)))
     saved = json.loads(local.read_text())
-    assert saved["columns"] == ["id", "prompt", "reference", "prediction"] and len(saved["data"]) == 2
+    assert saved["columns"] == ["step", "id", "prompt", "reference", "prediction"] and len(saved["data"]) == 2
 
     (events,) = (tmp_path / "run").glob("runs/*")
     accumulator = EventAccumulator(str(events))
     accumulator.Reload()
-    (text,) = accumulator.Tensors("eval/predictions/text_summary")
+    (text,) = accumulator.Tensors("eval_predictions/text_summary")
     assert text.step == 4
     markdown = text.tensor_proto.string_val[0].decode()
-    assert "| 0 | 2+2? | 4 | 4 \\| four |" in markdown and "3+3?<br>quick" in markdown
+    assert "| 4 | 0 | 2+2? | 4 | 4 \\| four |" in markdown and "3+3?<br>quick" in markdown

@@ -114,7 +114,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("torchdistx_path", "torchdistx's deferred initialisation"),
             ("tokenizer_use_fast", "choosing the slow or fast tokenizer"),
             ("tokenizer_legacy", "the tokenizer's legacy mode"),
-            ("save_safetensors", "the checkpoint file format"),
             ("relora", "ReLoRA (periodic merges of LoRA into the base)"),
             ("relora_prune_ratio", "ReLoRA's optimizer pruning"),
             ("relora_cpu_offload", "ReLoRA's CPU offload"),
@@ -138,9 +137,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("max_packed_sequence_len", "the old packing length (use `sequence_len`)"),
             ("datasets[].field_thinking", "a field holding each turn's reasoning"),
             ("datasets[].template_thinking_key", "the template's name for the reasoning field"),
-            ("trl.log_completions", "logging sampled completions"),
-            ("trl.num_completions_to_print", "printing sampled completions"),
-            ("trl.multi_objective_aggregation", "how GDPO combines several rewards"),
             ("trl.generation_kwargs", "extra vLLM sampling parameters"),
             ("trl.chat_template_kwargs", "extra chat-template variables for prompts"),
         )
@@ -162,10 +158,6 @@ VALUES_NOT_YET: dict[tuple[str, Any], str] = {
     ("attn_implementation", "flex_attention"): (
         "Axolotl's `attn_implementation: flex_attention` (torch's flex attention) is not supported yet; use sdpa"
     ),
-    (
-        "rl",
-        "gdpo",
-    ): "Axolotl's `rl: gdpo` (GRPO with per-reward normalization) is not supported yet; use grpo",
 }
 
 # HF `optim` and scheduler names Axolotl users may write that have another update rule or shape than ours.

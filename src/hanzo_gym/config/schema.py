@@ -312,6 +312,9 @@ class TrlConfig(_Strict, VllmTrlKeys):  # the vLLM rollout keys: config/vllm_key
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     scale_rewards: Literal["group", "batch", "none", True, False] = True
+    # sum the weighted rewards, then normalize (GRPO); or normalize each reward in its group, sum, and normalize
+    # the sums over the batch (GDPO, Axolotl's `rl: gdpo`)
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     reward_funcs: list[str] = []
     reward_weights: list[float] = []
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
@@ -320,6 +323,10 @@ class TrlConfig(_Strict, VllmTrlKeys):  # the vLLM rollout keys: config/vllm_key
     epsilon_high: float | None = Field(None, gt=0)
     num_iterations: int = Field(1, ge=1)
     mask_truncated_completions: bool = False
+    # TRL's: at each logged step, the completions since the last one (prompt, completion, each reward, advantage)
+    # to completions.jsonl and the trackers, and the first num_completions_to_print (None: all) printed
+    log_completions: bool = False
+    num_completions_to_print: int | None = Field(None, ge=0)
     remove_constant_reward_groups: bool = False
 
     @property
@@ -379,6 +386,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
     sample_packing: bool = False
     eval_sample_packing: bool | None = None  # None: as sample_packing (Axolotl's rule)
     pad_to_sequence_len: bool = False  # each SFT row padded to sequence_len tokens (fixed shapes)
+    save_safetensors: bool = True  # HF's checkpoint format: hanzo-gym writes safetensors only
     group_by_length: bool = False  # HF's length-grouped order: mega-batches sorted by length
     # Axolotl's data order: the merged datasets shuffled at load (false: in config and file order), each epoch in
     # that order rather than shuffled (curriculum_sampling), samples packed in order (sample_packing_sequentially,
@@ -485,6 +493,22 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
     trl: TrlConfig = TrlConfig()
     vllm: VllmSection | None = None  # Axolotl's `vllm:` block (GRPO rollouts on vLLM)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _gdpo_is_grpo_with_decoupled_rewards(cls, data: Any) -> Any:
+        """Axolotl's `rl: gdpo`: GRPO whose rewards are normalized one by one before they are summed (TRL's
+        multi_objective_aggregation: normalize_then_sum, which Axolotl sets for it)."""
+        if not isinstance(data, dict) or data.get("rl") != "gdpo":
+            return data
+        trl = dict(data.get("trl") or {})
+        if trl.get("multi_objective_aggregation") == "sum_then_normalize":
+            raise ValueError(
+                "rl: gdpo with trl.multi_objective_aggregation: sum_then_normalize is GRPO (Axolotl's rule); use "
+                "rl: grpo, or normalize_then_sum"
+            )
+        trl["multi_objective_aggregation"] = "normalize_then_sum"
+        return {**data, "rl": "grpo", "trl": trl}
+
     @field_validator("evals_per_epoch", "saves_per_epoch", mode="before")
     @classmethod
     def _zero_per_epoch_is_unset(cls, value: Any) -> Any:
@@ -561,12 +585,6 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
             raise ValueError(
                 "no `adapter` means full fine-tuning, which trains every weight: a 4- or 8-bit base cannot "
                 "hold trained weights; set `adapter: qlora` (4-bit) or `adapter: lora` (8-bit)"
-            )
-        if self.rl == "grpo" and self.trl.beta > 0:
-            raise ValueError(
-                f"full fine-tuning (no `adapter`) with rl: grpo and trl.beta {self.trl.beta:g}: the KL penalty "
-                "scores each rollout by the starting model, which would need a second copy of it (TRL loads one) "
-                "and is not supported yet; set trl.beta: 0 (TRL's default) or `adapter: lora`"
             )
         if self.rl == "grpo" and self.trl.use_vllm:
             raise ValueError(
@@ -715,6 +733,22 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
                 f"excess_length_strategy: {self.excess_length_strategy} is implemented for SFT and preference "
                 "data, not yet for rl: grpo (its prompts longer than sequence_len are dropped); remove it"
             )
+        if not self.save_safetensors:
+            raise ValueError(
+                "save_safetensors: false asks for pickled .bin checkpoints; hanzo-gym writes safetensors only "
+                "(and never unpickles on resume): remove it"
+            )
+        if (
+            self.trl.multi_objective_aggregation == "normalize_then_sum"
+            and self.trl.reward_scaling != "group"
+        ):
+            raise ValueError(
+                f"trl.scale_rewards: {self.trl.scale_rewards} with multi_objective_aggregation: normalize_then_sum "
+                "(GDPO): each reward is normalized in its group and the sums over the batch, whatever "
+                "scale_rewards says (TRL's rule); remove scale_rewards"
+            )
+        if self.trl.num_completions_to_print is not None and not self.trl.log_completions:
+            raise ValueError("trl.num_completions_to_print needs trl.log_completions: true (TRL's rule)")
         if self.rl == "grpo":
             if not self.trl.reward_funcs:
                 raise ValueError("rl: grpo needs `trl.reward_funcs`")

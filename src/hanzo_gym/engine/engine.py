@@ -287,12 +287,32 @@ class Engine:
             raise GymError("sampling needs the engine's tokenizer (for EOS and stop strings)")
         return sample_groups(self.model, self.tokenizer, prompts, num_samples, params)
 
+    def keep_reference(self) -> None:
+        """Full fine-tuning: keep a copy of the trained weights as they are now, the reference that
+        `forward(reference=True)` scores with (as TRL keeps a second model; it costs their size in memory)."""
+        self._reference_weights = [parameter.detach().clone() for parameter in self.trainable]
+
     def _adapter_disabled(self) -> contextlib.AbstractContextManager:
+        if getattr(self, "_reference_weights", None) is not None:
+            return self._reference_swapped_in()
         if not hasattr(self.model, "disable_adapter"):
             raise GymError(
-                "reference log-probabilities need a LoRA model (the adapter is what gets disabled)"
+                "reference log-probabilities need a LoRA model (the adapter is what gets disabled), or in full "
+                "fine-tuning a kept copy of the starting weights (Engine.keep_reference)"
             )
         return self.model.disable_adapter()
+
+    @contextlib.contextmanager
+    def _reference_swapped_in(self) -> Iterator[None]:
+        """The kept weights in the trained ones' place (their storage swapped, nothing copied), then back."""
+        trained = [parameter.data for parameter in self.trainable]
+        try:
+            for parameter, kept in zip(self.trainable, self._reference_weights, strict=True):
+                parameter.data = kept
+            yield
+        finally:
+            for parameter, weights in zip(self.trainable, trained, strict=True):
+                parameter.data = weights
 
     @property
     def _output_weight(self) -> torch.Tensor:

@@ -23,7 +23,9 @@ from hanzo_gym.engine import Engine, ForwardBackwardOutput
 from hanzo_gym.engine.distributed import gather_objects, rank, shard, sum_across, world_size
 from hanzo_gym.errors import GymError
 from hanzo_gym.loops.checkpoint import adapter_fingerprint
+from hanzo_gym.loops.completion_log import CompletionLog
 from hanzo_gym.loops.rl_math import (
+    decoupled_advantages,
     group_advantages,
     is_constant,
     k3,
@@ -192,6 +194,9 @@ def _train(
     }
     if trl.use_vllm and rank() == 0:
         print(f"rollouts: {sampler.name}", flush=True)
+    if engine.full_fine_tuning and trl.beta > 0:
+        # the KL penalty's reference is the starting model: its weights kept before a checkpoint loads
+        engine.keep_reference()
     tail = LoopTail(
         engine,
         cfg,
@@ -206,6 +211,9 @@ def _train(
             f"length {row['completions/mean_length']:.1f} loss {row['loss']:.4f} "
             f"sample {row['time/sample']:.1f}s train {row['time/train']:.1f}s"
         ),
+    )
+    completion_log = (
+        CompletionLog(run, trl.num_completions_to_print, tail.say) if trl.log_completions else None
     )
     for epoch in range(tail.position.epoch, epochs):
         order = epoch_order(len(train), cfg.seed, epoch)
@@ -232,10 +240,17 @@ def _train(
             rewards_P_G = [totals[p * group : (p + 1) * group] for p in range(len(prompts_P))]
             everyone = _StepView.gather(rewards_P_G, per_function, [s for g in samples_P_G for s in g])
             check_finite({"sampled logprobs": everyone.sampled_logprob_sum}, step + 1, cfg)
-            advantages_P_G = group_advantages(everyone.rewards_P_G, trl.reward_scaling)[
+            if trl.multi_objective_aggregation == "normalize_then_sum":
+                scores = list(everyone.per_function.values())
+                everyone_advantages = decoupled_advantages(scores, weights or [1.0] * len(scores), group)
+            else:
+                everyone_advantages = group_advantages(everyone.rewards_P_G, trl.reward_scaling)
+            advantages_P_G = everyone_advantages[
                 everyone.first_group : everyone.first_group + len(rewards_P_G)
             ]
             rollouts = Rollouts(prompts_P, samples_P_G, rewards_P_G, advantages_P_G)
+            if completion_log is not None:
+                completion_log.add(flat, per_function, [a for group in advantages_P_G for a in group])
             batch = _training_batch(rollouts, trl, engine)
             adam = adam_params(cfg, step, total)
             train_metrics: dict[str, float] = {}
@@ -265,6 +280,8 @@ def _train(
                 "time/train": time.perf_counter() - clock,
             }
             tail.finish_step(values, StepPlace(epoch, index, per_epoch))
+            if completion_log is not None and (tail.step % cfg.logging_steps == 0 or tail.done):
+                completion_log.flush(tail.step)
         if tail.done:
             break
     tail.close()

@@ -31,6 +31,27 @@ def group_advantages(rewards_P_G: Sequence[Sequence[float]], scaling: str) -> li
     return advantages
 
 
+def decoupled_advantages(
+    scores_F_N: Sequence[Sequence[float]], weights: Sequence[float], group: int
+) -> list[list[float]]:
+    """GDPO (TRL's normalize_then_sum): each reward function's scores normalized within each group (mean 0,
+    divided by the group's unbiased std + 1e-4), summed with the weights, then the sums normalized over the
+    whole batch the same way. `scores_F_N`: each function's scores of all N completions, in group order."""
+    count = len(scores_F_N[0]) if scores_F_N else 0
+    totals = [0.0] * count
+    for weight, scores in zip(weights, scores_F_N, strict=True):
+        for start in range(0, count, group):
+            part = scores[start : start + group]
+            mean = sum(part) / len(part)
+            scale = (statistics.stdev(part) if len(part) > 1 else 0.0) + STD_EPS
+            for offset, score in enumerate(part):
+                totals[start + offset] += weight * (score - mean) / scale
+    mean = sum(totals) / count if count else 0.0
+    scale = (statistics.stdev(totals) if count > 1 else 0.0) + STD_EPS
+    advantages = [(total - mean) / scale for total in totals]
+    return [advantages[start : start + group] for start in range(0, count, group)]
+
+
 def is_constant(group: Sequence[float]) -> bool:
     return max(group) - min(group) < 1e-9
 

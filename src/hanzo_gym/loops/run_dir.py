@@ -54,6 +54,7 @@ RUN_FILES = (
     "metrics.jsonl",
     "checkpoints.jsonl",
     "eval_predictions.jsonl",
+    "completions.jsonl",
     ADAPTER_MARKER,
     "adapter_model.safetensors",
     "config.json",
@@ -174,7 +175,20 @@ class RunDir:
         ]
         with open(self.predictions_path, "a", encoding="utf-8") as handle:
             handle.write("".join(json.dumps(record) + "\n" for record in records))
-        self.trackers.predictions(records, step)
+        self.trackers.table("eval_predictions", records, step)
+
+    @property
+    def completions_path(self) -> Path:
+        return self._home / "completions.jsonl"
+
+    def log_completions(self, step: int, records: list[dict]) -> None:
+        """GRPO's sampled completions of the steps a metrics row covers (trl.log_completions): one line each,
+        and a table to the trackers."""
+        if not self.writer or not records:
+            return
+        with open(self.completions_path, "a", encoding="utf-8") as handle:
+            handle.write("".join(json.dumps(record) + "\n" for record in records))
+        self.trackers.table("completions", records, step)
 
     def metrics(self) -> list[dict]:
         return _read_jsonl(self.metrics_path)
@@ -183,7 +197,7 @@ class RunDir:
         """On resume: drop metric and checkpoint records of steps the resumed run will redo."""
         if not self.writer:
             return
-        for path in (self.metrics_path, self.checkpoints_path, self.predictions_path):
+        for path in (self.metrics_path, self.checkpoints_path, self.predictions_path, self.completions_path):
             if path.exists():
                 kept = [row for row in _read_jsonl(path) if row.get("step", 0) <= step]
                 atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))

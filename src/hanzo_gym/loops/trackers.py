@@ -4,9 +4,9 @@ the same metric names, at the row's `step`.
 One interface, one implementation per library (each imported only when its tracker is on; the config already
 checked that it is installed, `hanzo_gym.config.tracking`): `start(cfg, model)` once before training,
 `log(row, step)` for every row, `checkpoint(path, step, epoch)` after a checkpoint is saved,
-`final(write)` with the final adapter (`write(directory)` puts it into a folder), `predictions(records, step)`
-with an evaluation's completions (eval_table_size: a W&B table, an MLflow table artifact, TensorBoard text),
-`finish(failed)` at the end.
+`final(write)` with the final adapter (`write(directory)` puts it into a folder), `table(name, records, step)`
+with rows of text (an evaluation's completions, `eval_predictions`; GRPO's sampled ones, `completions`: a W&B
+table, an MLflow table artifact `<name>/step_<n>.json`, TensorBoard text `<name>`), `finish(failed)` at the end.
 Only the main process logs: `open_trackers` returns no trackers on the other ranks, and the run directory, which
 calls them, writes nothing there either.
 
@@ -57,15 +57,19 @@ class Tracker:
     def final(self, write: Callable[[Path], None]) -> None:
         pass
 
-    def predictions(self, records: list[dict], step: int) -> None:
+    def table(self, name: str, records: list[dict], step: int) -> None:
         pass
 
     def finish(self, failed: bool = False) -> None:
         pass
 
 
-PREDICTIONS_TABLE = "Eval - Predictions vs Ground Truth"  # Axolotl's name of the table
-PREDICTION_COLUMNS = ("id", "prompt", "reference", "prediction")
+# The W&B names of the tables: Axolotl's for its eval predictions, TRL's for GRPO's completions
+WANDB_TABLES = {"eval_predictions": "Eval - Predictions vs Ground Truth", "completions": "completions"}
+
+
+def _columns(records: list[dict]) -> list[str]:
+    return list(dict.fromkeys(key for record in records for key in record))
 
 
 def _import(name: str) -> Any:
@@ -134,10 +138,11 @@ class WandbTracker(Tracker):
             artifact.add_dir(folder)  # copies the files now, before the folder goes
             self.run.log_artifact(artifact, aliases=["final_model"])
 
-    def predictions(self, records: list[dict], step: int) -> None:
-        rows = [[record[column] for column in PREDICTION_COLUMNS] for record in records]
+    def table(self, name: str, records: list[dict], step: int) -> None:
+        columns = _columns(records)
+        rows = [[record.get(column) for column in columns] for record in records]
         self.run.log(
-            {"step": step, PREDICTIONS_TABLE: self.wandb.Table(columns=list(PREDICTION_COLUMNS), data=rows)}
+            {"step": step, WANDB_TABLES.get(name, name): self.wandb.Table(columns=columns, data=rows)}
         )
 
     def finish(self, failed: bool = False) -> None:
@@ -168,14 +173,13 @@ class TensorBoardTracker(Tracker):
         for key, value in row.items():
             self.writer.add_scalar(key, value, step)
 
-    def predictions(self, records: list[dict], step: int) -> None:
-        lines = ["| " + " | ".join(PREDICTION_COLUMNS) + " |", "|" + "---|" * len(PREDICTION_COLUMNS)]
+    def table(self, name: str, records: list[dict], step: int) -> None:
+        columns = _columns(records)
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         for record in records:
-            cells = (
-                str(record[column]).replace("|", "\\|").replace("\n", "<br>") for column in PREDICTION_COLUMNS
-            )
+            cells = (str(record.get(column)).replace("|", "\\|").replace("\n", "<br>") for column in columns)
             lines.append("| " + " | ".join(cells) + " |")
-        self.writer.add_text("eval/predictions", "\n".join(lines), step)
+        self.writer.add_text(name, "\n".join(lines), step)
 
     def finish(self, failed: bool = False) -> None:
         self.writer.flush()
@@ -220,9 +224,9 @@ class MlflowTracker(Tracker):
     def log(self, row: dict[str, float], step: int) -> None:
         self.mlflow.log_metrics({_MLFLOW_NAME.sub("_", key): value for key, value in row.items()}, step=step)
 
-    def predictions(self, records: list[dict], step: int) -> None:
-        table = {column: [record[column] for record in records] for column in PREDICTION_COLUMNS}
-        self.mlflow.log_table(data=table, artifact_file=f"eval_predictions/step_{step}.json")
+    def table(self, name: str, records: list[dict], step: int) -> None:
+        data = {column: [record.get(column) for record in records] for column in _columns(records)}
+        self.mlflow.log_table(data=data, artifact_file=f"{name}/step_{step}.json")
 
     def finish(self, failed: bool = False) -> None:
         self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
@@ -265,9 +269,9 @@ class Trackers:
         for tracker in self.trackers:
             tracker.final(write)
 
-    def predictions(self, records: list[dict], step: int) -> None:
+    def table(self, name: str, records: list[dict], step: int) -> None:
         for tracker in self.trackers:
-            tracker.predictions(records, step)
+            tracker.table(name, records, step)
 
     def finish(self, failed: bool = False) -> None:
         """Finish every tracker, even when one of them fails (the first failure is raised after)."""
