@@ -189,6 +189,16 @@ def test_gym_train_stops_early_and_ends_with_the_best_saved_checkpoint(
     }
 
 
+def test_the_steps_since_the_last_row_are_logged_when_early_stopping_ends_the_run(
+    tmp_path, tiny_base, chat_data, monkeypatch
+):
+    _scripted_eval_losses(monkeypatch, [3.0, 2.0, 2.5, 2.6])
+    keys = {"max_steps": 10, "eval_steps": 1, "logging_steps": 2, "early_stopping_patience": 2}
+    assert main(["train", str(_config(tmp_path, tiny_base, chat_data, **keys))]) == 0
+    rows = [row for row in _rows(tmp_path / "run") if "loss" in row]
+    assert [row["step"] for row in rows] == [2, 3]  # step 3's row covers step 3 alone
+
+
 def test_early_stopping_resumes_with_its_count(tmp_path, tiny_base, chat_data, monkeypatch, capsys):
     def killed_at_step_5():
         yield from [3.0, 2.0, 1.5, 1.4, 1.6]  # steps 0 to 4; checkpoint-4 holds the count 1

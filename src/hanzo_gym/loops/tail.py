@@ -260,16 +260,14 @@ class LoopTail:
         self.progress.advance()
         self.window.add(values)
         self._watch_loss()
-        if self.step % cfg.logging_steps == 0 or self.done:
-            row = {"step": self.step, "epoch": place.progress, **self._row(self.window)}
-            self._logged_loss = row.get("loss", self._logged_loss)
-            row["elapsed_s"] = self.elapsed()
-            self.run.log(row)
-            self.say(self._line(row))
-            self.window = StepWindow()
+        logged = self.step % cfg.logging_steps == 0 or self.done
+        if logged:
+            self._log_window(place)
         periodic = self.eval_every and self.step % self.eval_every == 0
         if self._evaluate is not None and (periodic or place.ends_epoch or self.done):
             self.evaluate(place.progress)
+            if self.stopped and not logged:  # early stopping ended the run here: its last steps get their row
+                self._log_window(place)
         if self.save_every and self.step % self.save_every == 0:
             check_finite_adapter(self.engine, self.step, cfg)
             epoch, index = place.following
@@ -285,6 +283,14 @@ class LoopTail:
                 spare=self.best.checkpoint_step if self.keeps_best else None,
             )
             self.say(f"saved {path}")
+
+    def _log_window(self, place: StepPlace) -> None:
+        row = {"step": self.step, "epoch": place.progress, **self._row(self.window)}
+        self._logged_loss = row.get("loss", self._logged_loss)
+        row["elapsed_s"] = self.elapsed()
+        self.run.log(row)
+        self.say(self._line(row))
+        self.window = StepWindow()
 
     def close(self) -> None:
         """The end of the loop: with the best checkpoint kept, its weights become the run's final ones."""
