@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from config_files import parse_minimal, refusal_of, write_tiny_run
@@ -82,12 +83,18 @@ def test_curriculum_sampling_trains_every_epoch_in_the_datas_order(tmp_path, wor
     assert sft._windows(shuffled, examples, 0) != sft._windows(shuffled, examples, 1)
 
 
-def test_packing_is_sequential_in_the_epochs_order():
-    """sample_packing_sequentially: Axolotl's allocate_sequentially, a row closed when the next example does not
-    fit, which is how hanzo-gym always packs."""
-    lengths = [3, 4, 2, 5, 1, 6, 6]
-    assert packed_rows(lengths, list(range(7)), 6) == [[0], [1, 2], [3, 4], [5], [6]]
-    assert packed_rows(lengths, [6, 5, 4, 3, 2, 1, 0], 6) == [[6], [5], [4, 3], [2, 1], [0]]
+def test_packing_is_sequential_as_axolotls_allocator_packs():
+    """sample_packing_sequentially: Axolotl's allocate_sequentially (its own code) closes a bin when the next
+    example does not fit, which is how hanzo-gym always packs."""
+    import numpy as np
+    from axolotl.utils.samplers.multipack import allocate_sequentially
+
+    generator = random.Random(0)
+    for _ in range(50):
+        capacity = generator.randint(4, 64)
+        lengths = [generator.randint(1, capacity) for _ in range(generator.randint(1, 40))]
+        bins, _, _ = allocate_sequentially(np.array(lengths), 0, capacity, 1)
+        assert packed_rows(lengths, list(range(len(lengths))), capacity) == [list(b) for b in bins]
 
 
 @pytest.mark.parametrize(
@@ -105,7 +112,7 @@ def test_data_order_mistakes_are_refused(keys, message):
     assert message in refusal_of(**keys)
 
 
-def test_gym_train_runs_in_curriculum_order_and_resume_checks_it(tmp_path, tiny_base, chat_data):
+def test_gym_train_records_the_data_order_in_its_resume_plan(tmp_path, tiny_base, chat_data):
     path = write_tiny_run(tmp_path, tiny_base, chat_data, curriculum_sampling=True, max_steps=2, save_steps=1)
     assert main(["train", str(path)]) == 0
     state = json.loads((tmp_path / "run" / "checkpoint-1" / "trainer_state.json").read_text())

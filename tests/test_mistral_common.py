@@ -89,7 +89,9 @@ def test_train_on_inputs_trains_the_users_turns_too(mistral_tokenizer):
             DatasetConfig(path="chats.jsonl", type="chat_template"),
             StrategyContext(mistral_tokenizer, train_on_inputs=train_on_inputs),
         )
-        return mistral_tokenizer.decode([t for t, label in zip(example.input_ids, example.labels) if label != -100])
+        return mistral_tokenizer.decode(
+            [t for t, label in zip(example.input_ids, example.labels) if label != -100]
+        )
 
     assert trained(False) == "4</s> six, I think\n</s>"
     assert trained(True) == "2+2?4</s>and 3+3? six, I think\n</s>"

@@ -12,9 +12,8 @@ CAUSAL_LM_METRICS = ("sacrebleu", "ter", "chrf", "perplexity")
 
 
 class EvalKeys(BaseModel):
-    eval_batch_size: int | None = Field(
-        None, ge=1
-    )  # examples per eval micro-batch; micro_batch_size when unset
+    # examples per eval micro-batch; micro_batch_size when unset
+    eval_batch_size: int | None = Field(None, ge=1)
     # stop after this many evaluations in a row without a lower eval loss (HF's EarlyStoppingCallback)
     early_stopping_patience: int | None = Field(None, ge=1)
     # end with the saved checkpoint of the lowest eval loss (HF's rule; Axolotl turns it on with early stopping)
@@ -23,9 +22,8 @@ class EvalKeys(BaseModel):
     eval_causal_lm_metrics: list[str] | None = None
     eval_max_new_tokens: int = Field(128, ge=1)  # completion length of eval predictions (Axolotl's default)
     eval_table_size: int = Field(0, ge=0)  # how many eval predictions each evaluation writes out
-    debug: bool = (
-        False  # print the first tokenized training item, each token with its label (data/debug_print.py)
-    )
+    # print the first tokenized training item, each token with its label (data/debug_print.py)
+    debug: bool = False
 
     @property
     def eval_micro_batch_size(self) -> int:

@@ -1,6 +1,7 @@
 """Cross-key rules of Axolotl's keys that shape where a run starts and how its batches are formed:
 `lora_model_dir`, `trust_remote_code`, `pad_to_sequence_len`, `eval_sample_packing`, `group_by_length`,
-`curriculum_sampling`, `sample_packing_sequentially` and `strict`. `Config` declares the keys; its cross-key rules call `check_run_shape_keys`."""
+`curriculum_sampling`, `sample_packing_sequentially` and `strict`. `Config` declares the keys; its cross-key
+rules call `check_run_shape_keys`."""
 
 from __future__ import annotations
 

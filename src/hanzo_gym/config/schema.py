@@ -273,11 +273,6 @@ class DatasetConfig(_Strict):
         return self.message_property_mappings or MessagePropertyMappings()
 
     @property
-    def type_name(self) -> str:
-        """The type as messages name it."""
-        return self.type if isinstance(self.type, str) else "a `type:` mapping"
-
-    @property
     def instruction_format(self) -> InstructionFormat | None:
         """The instruction prompt of `alpaca`, `alpaca:<style>` or a `type:` mapping; None for other types."""
         if isinstance(self.type, DatasetTypeMapping):

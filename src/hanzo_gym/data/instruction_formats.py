@@ -26,9 +26,8 @@ class InstructionFormat:
     system_block: str  # `{system}`; written only when the system text is not empty
     system: str = ""  # the system text of a row with an input (unless the row has its own)
     system_no_input: str = ""  # … and of a row without one
-    field_system: str | None = (
-        None  # the row field that holds a system text of its own, if the format reads one
-    )
+    # the row field that holds a system text of its own, if the format reads one
+    field_system: str | None = None
 
     def prompt(self, instruction: str, input_text: str = "", row_system: str | None = None) -> str:
         """The text before the output: the system block (if any system text), then the turn."""

@@ -3,9 +3,9 @@
 GRPO prompts and preference rows go through a row transform. As Axolotl loads them: `module.function(cfg,
 dataset_idx=i)` returns a row transform, or a (transform, map options) pair; the transform takes a row (and
 `tokenizer=` when its signature has that parameter) and returns the row's new fields, which are merged over the
-old ones as `datasets.Dataset.map` does, after dropping the columns the options' `remove_columns` names (`"__all__"`: every original one). The result is TRL's prompt
-format: `prompt` as a message list (rendered with the run's chat template) or a string (used as it is), with
-the other fields (`answer`, …) passed on to the reward functions; preference rows take TRL's prompt / chosen /
+old ones as `datasets.Dataset.map` does, after dropping the columns the options' `remove_columns` names
+(`"__all__"`: every original one). The result is TRL's prompt format: `prompt` as a message list (rendered
+with the run's chat template) or a string (used as it is), with the other fields (`answer`, …) passed on to the reward functions; preference rows take TRL's prompt / chosen /
 rejected (KTO: prompt / completion / label) shape.
 
 SFT rows go through a prompt strategy of the user's, as Axolotl loads one: `type: package.module` calls the

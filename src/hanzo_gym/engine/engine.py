@@ -70,6 +70,8 @@ class Engine:
         self._optimizer_factory = optimizer_factory
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        # full fine-tuning's reference weights, when kept (keep_reference)
+        self._reference_weights: list[torch.Tensor] | None = None
         self.max_tokens_per_pass = max_tokens_per_pass or default_tokens_per_pass(self.device)
         self.logprob_chunk = logprob_chunk
         # Captured now: a model host may later add adapters whose parameters belong to other engines.
@@ -293,7 +295,7 @@ class Engine:
         self._reference_weights = [parameter.detach().clone() for parameter in self.trainable]
 
     def _adapter_disabled(self) -> contextlib.AbstractContextManager:
-        if getattr(self, "_reference_weights", None) is not None:
+        if self._reference_weights is not None:
             return self._reference_swapped_in()
         if not hasattr(self.model, "disable_adapter"):
             raise GymError(

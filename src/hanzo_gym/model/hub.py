@@ -256,7 +256,8 @@ def _mistral_common_tokenizer(source: Path, name: str) -> transformers.PreTraine
         import mistral_common  # noqa: F401
     except ImportError as exc:
         raise ModelError(
-            f"tokenizer_use_mistral_common: mistral-common does not import ({exc}): pip install 'hanzo-gym[mistral]'"
+            f"tokenizer_use_mistral_common: mistral-common does not import ({exc}): "
+            "pip install 'hanzo-gym[mistral]'"
         ) from None
     from transformers import MistralCommonBackend
 
