@@ -136,8 +136,8 @@ def tiny_dir(tmp_path_factory, word_tokenizer) -> str:
 
 
 def save_tiny_qwen3(directory: Path, qwen3_tokenizer, kind: str = "qwen3", **overrides) -> Path:
-    """A tiny random Qwen3 (or Qwen3-MoE: `kind="qwen3_moe"`) with the real Qwen3 tokenizer, saved as a model
-    folder."""
+    """A tiny random Qwen3 (or another kind of tiny_models.py: `kind="qwen3_moe"`) with the real Qwen3
+    tokenizer, saved as a model folder."""
     from tiny_models import tiny_model
 
     model = tiny_model(
@@ -163,6 +163,13 @@ def tiny_base(tmp_path_factory, qwen3_tokenizer) -> Path:
 def tiny_moe_base(tmp_path_factory, qwen3_tokenizer) -> Path:
     """A tiny random Qwen3-MoE (four experts, stored as transformers saves them) with the real Qwen3 tokenizer."""
     return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-moe"), qwen3_tokenizer, kind="qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_moe_base(tmp_path_factory, qwen3_tokenizer) -> Path:
+    """A tiny random Gemma 4 MoE (its multimodal class, text only: `model.language_model.layers.N.experts`) with
+    the real Qwen3 tokenizer."""
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-gemma4-moe"), qwen3_tokenizer, kind="gemma4_moe")
 
 
 @pytest.fixture(scope="session")

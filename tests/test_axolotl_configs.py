@@ -114,7 +114,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 74, loading
+    assert len(loading) >= 76, loading
 
 
 @pytest.mark.parametrize(
@@ -136,17 +136,21 @@ def test_most_text_model_lora_and_qlora_examples_load():
         "phi--phi-ft.yml",  # full fine-tuning, embeddings grown to a multiple of 32, reentrant checkpointing
         "glm45--glm-45-air-qlora.yaml",  # QLoRA on an MoE model with its experts in NF4 (quantize_moe_experts)
         "devstral--devstral-small-qlora.yml",  # mistral-common's tokenizer and chat encoding, QLoRA
+        # LoRA on Gemma 4's NF4 expert stacks (lora_target_parameters) and its text layers by a regex
+        "gemma4--26b-a4b-moe-qlora.yaml",
+        "gemma4--26b-a4b-moe-bnb-lora.yaml",
     ],
 )
 def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_changed(
-    name, tmp_path, tiny_base, tiny_moe_base, tiny_mistral, capsys
+    name, tmp_path, tiny_base, tiny_moe_base, tiny_gemma4_moe_base, tiny_mistral, capsys
 ):
     assert not EXPECTED[name]
     text = (CONFIGS / name).read_text()
     moe, mistral = "quantize_moe_experts: true" in text, "tokenizer_use_mistral_common: true" in text
-    data = _with_local_paths(
-        name, tmp_path, str(tiny_moe_base if moe else tiny_mistral if mistral else tiny_base)
-    )
+    base = tiny_moe_base if moe else tiny_mistral if mistral else tiny_base
+    if name.startswith("gemma4--"):
+        base = tiny_gemma4_moe_base
+    data = _with_local_paths(name, tmp_path, str(base))
     for key in OTHER_MODEL_KEYS:
         data.pop(key, None)
     if data.get("chat_template") not in (None, "tokenizer_default", "chatml"):  # another model's format
@@ -156,7 +160,9 @@ def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_ch
     data.update(logging_steps=1)
     if data.get("adapter"):
         data["lora_r"] = 8
-    data.update(gradient_checkpointing=False, evals_per_epoch=None, saves_per_epoch=None, sequence_len=128)
+    data.update(evals_per_epoch=None, saves_per_epoch=None, sequence_len=128)
+    if not data.get("activation_offloading"):  # which needs checkpointing (a CPU keeps the activations)
+        data["gradient_checkpointing"] = False
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
     assert main(["train", str(path)]) == 0

@@ -41,6 +41,22 @@ def tiny_config(kind: str = "llama", **overrides):
         return Qwen3MoeConfig(
             head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **common
         )
+    if kind == "gemma4_moe":  # Gemma 4's multimodal class with only its text model, every layer an MoE block
+        from transformers import Gemma4Config, Gemma4TextConfig
+
+        text = Gemma4TextConfig(
+            head_dim=8,
+            global_head_dim=8,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=16,
+            vocab_size_per_layer_input=common["vocab_size"],
+            hidden_size_per_layer_input=8,
+            layer_types=["sliding_attention", "full_attention"],
+            **common,
+        )
+        return Gemma4Config(text_config=text)
     raise ValueError(kind)
 
 

@@ -82,7 +82,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
         for key, what in (
             ("experimental_skip_move_to_device", "leaving the model where it loaded"),
             ("processor_type", "a multimodal processor class"),
-            ("lora_target_parameters", "LoRA on bare parameters (MoE experts)"),
             ("context_parallel_size", "context parallelism over GPUs"),
             ("use_onebitllms", "1-bit (BitNet) layers"),
             ("trackio_project_name", "Trackio experiment tracking"),
@@ -101,7 +100,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("llama4_linearized_experts", "Llama 4's linearized expert layers"),
             ("flash_attn_cross_entropy", "FlashAttention's cross-entropy kernel"),
             ("flash_attn_rms_norm", "FlashAttention's RMSNorm kernel"),
-            ("experts_implementation", "the MoE experts' kernel"),
             ("accelerator_config", "Accelerate's settings"),
             ("use_otel_metrics", "OpenTelemetry metrics"),
             ("otel_metrics_host", "OpenTelemetry metrics"),

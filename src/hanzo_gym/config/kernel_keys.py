@@ -42,6 +42,7 @@ LIGER_KEYS = (
 )
 LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel")
 HF_KERNEL_KEYS = ("use_kernels", "use_scattermoe", "use_sonicmoe")
+CUDA_EXPERTS_KERNELS = ("scattermoe", "sonicmoe")
 # key → the plugin Axolotl reads it through (its other keys are the core schema's)
 PLUGIN_OF_KEY = {
     **dict.fromkeys(LIGER_KEYS, LIGER),
@@ -73,6 +74,9 @@ class KernelKeys(BaseModel):
     flash_attn_fuse_mlp: bool | None = None  # xFormers' fused SwiGLU in place of the MLP
     # FlashAttention on Gemma 4's sliding-window layers, sdpa on its global ones
     gemma4_hybrid_attn_impl: bool | None = None
+    # how an MoE layer runs its experts: transformers' own loops (eager, batched_mm, grouped_mm) or a CUDA
+    # kernel of the kernels plugin (scattermoe, sonicmoe), in whose place transformers' default runs
+    experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "scattermoe", "sonicmoe"] | None = None
     torch_compile: bool | Literal["auto"] | None = None
     torch_compile_backend: str | None = None
     torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = None
@@ -114,6 +118,11 @@ def check_kernel_keys(cfg: KernelKeys, adapter: str | None, attn_implementation:
             )
 
 
+def transformers_experts_implementation(cfg: KernelKeys) -> str | None:
+    """What from_pretrained is given as experts_implementation: transformers' default for a CUDA kernel."""
+    return None if cfg.experts_implementation in CUDA_EXPERTS_KERNELS else cfg.experts_implementation
+
+
 def kernel_notes(cfg: KernelKeys) -> list[str]:
     """One line per kind of kernel the config asks for, saying what runs instead."""
     notes = []
@@ -129,6 +138,11 @@ def kernel_notes(cfg: KernelKeys) -> list[str]:
         notes.append(
             f"{', '.join(asked)}: fused kernels are not applied; the model's own PyTorch modules run, which "
             "compute the same function (the kernels only save time and memory on CUDA)"
+        )
+    if cfg.experts_implementation in CUDA_EXPERTS_KERNELS:
+        notes.append(
+            f"experts_implementation: {cfg.experts_implementation} is a CUDA kernel; transformers' own experts "
+            "loop runs in its place (grouped_mm where torch has it), which computes the same function"
         )
     if cfg.torch_compile:
         notes.append(

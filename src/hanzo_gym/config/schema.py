@@ -411,6 +411,9 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
     # whole modules trained beside the adapter (Axolotl's; typically [embed_tokens, lm_head]), saved in it
     lora_modules_to_save: list[str] | None = None
     lora_target_linear: bool = False
+    # bare parameters adapted too, an MoE layer's 3-D expert stacks (`experts.gate_up_proj`): PEFT's rule, a
+    # parameter whose path is the entry or ends in `.entry` (model/parameter_lora.py)
+    lora_target_parameters: list[str] | None = None
     lora_model_dir: str | None = None  # start from this PEFT adapter (its own r, alpha and targets)
 
     micro_batch_size: int = Field(1, ge=1)
@@ -504,6 +507,11 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
         trl["multi_objective_aggregation"] = "normalize_then_sum"
         return {**data, "rl": "grpo", "trl": trl}
 
+    @field_validator("lora_target_parameters", mode="before")
+    @classmethod
+    def _one_parameter_or_a_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value  # Axolotl takes either
+
     @field_validator("evals_per_epoch", "saves_per_epoch", mode="before")
     @classmethod
     def _zero_per_epoch_is_unset(cls, value: Any) -> Any:
@@ -559,8 +567,21 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
                 "load_in_8bit: true trains a LoRA adapter on an 8-bit base: it goes with `adapter: lora` (a 4-bit "
                 "base is `adapter: qlora` with load_in_4bit), not with both"
             )
-        if not (self.lora_target_linear or self.lora_target_modules):
-            raise ValueError("lora needs `lora_target_modules` or `lora_target_linear: true`")
+        if not (self.lora_target_linear or self.lora_target_modules or self.lora_target_parameters):
+            raise ValueError(
+                "lora needs `lora_target_modules`, `lora_target_linear: true` or `lora_target_parameters`"
+            )
+        if self.lora_target_parameters and self.lora_dropout:
+            raise ValueError(
+                f"`lora_target_parameters` with lora_dropout {self.lora_dropout}: LoRA on a bare parameter adds its "
+                "ΔW to the weight, so there is no separate input to drop out (PEFT refuses it; Axolotl's examples "
+                "set 0): set lora_dropout: 0"
+            )
+        if self.lora_target_parameters and self.trl.use_vllm:
+            raise ValueError(
+                "`lora_target_parameters` with trl.use_vllm: vLLM loads LoRA adapters of linear layers, not of "
+                "bare expert parameters; sample on the training engine (remove use_vllm) or adapt linear layers only"
+            )
         if isinstance(self.lora_target_modules, str):
             try:
                 re.compile(self.lora_target_modules)

@@ -9,6 +9,7 @@ import inspect
 from collections.abc import Iterator
 
 import torch
+from torch.nn.utils import parametrize
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
@@ -67,7 +68,8 @@ def stop_string_candidates(
 
 @contextlib.contextmanager
 def _lora_folded(model: PreTrainedModel) -> Iterator[None]:
-    """Decode with each LoRA layer's ΔW folded into a temporary copy of its weight and the adapter branch off.
+    """Decode with each LoRA layer's ΔW folded into a temporary copy of its weight (an expert stack's, for LoRA
+    on expert parameters) and the adapter branch off.
 
     On CPU, decoding a few rows is bound by the number of matmul calls, and LoRA triples them. The base
     weights are swapped for the copies and back, never changed in place, so the frozen base stays bit-exact.
@@ -81,28 +83,32 @@ def _lora_folded(model: PreTrainedModel) -> Iterator[None]:
         yield
         return
     layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.disable_adapters]
-    if any(not m.get_base_layer().weight.is_floating_point() for m in layers):
+    targets = [(m, m.get_base_layer(), getattr(m, "parameter_name", "weight")) for m in layers]
+    if any(parametrize.is_parametrized(base, name) for _, base, name in targets):
+        yield  # quantized experts (quantize_moe_experts): no plain tensor to fold into
+        return
+    if any(not getattr(base, name).is_floating_point() for _, base, name in targets):
         yield  # a quantized (QLoRA) base has no weight to fold into: decode with the adapter branch on
         return
-    if any(m.get_base_layer().weight.dtype != torch.float32 for m in layers):
+    if any(getattr(base, name).dtype != torch.float32 for _, base, name in targets):
         yield  # a bf16 / fp16 base would round the adapter's update away: the adapter branch stays, in fp32
         return
     swapped = []
     with torch.no_grad():
-        for module in layers:
+        for module, base, name in targets:
             adapters = [a for a in module.active_adapters if a in module.lora_A]
             if not adapters:
                 continue
-            base = module.get_base_layer()
+            weight = getattr(base, name)
             delta = sum(module.get_delta_weight(a) for a in adapters)
-            swapped.append((base, base.weight))
-            base.weight = torch.nn.Parameter(base.weight + delta.to(base.weight.dtype), requires_grad=False)
+            swapped.append((base, name, weight))
+            setattr(base, name, torch.nn.Parameter(weight + delta.to(weight.dtype), requires_grad=False))
     try:
         with model.disable_adapter():
             yield
     finally:
-        for base, weight in swapped:
-            base.weight = weight
+        for base, name, weight in swapped:
+            setattr(base, name, weight)
 
 
 @contextlib.contextmanager

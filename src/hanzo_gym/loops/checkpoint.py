@@ -50,6 +50,7 @@ _WRITTEN_WHEN_SET = _FLAGS_WHEN_SET | {
     "unfrozen_parameters",
     "bnb_config_kwargs",
     "tokens",
+    "lora_target_parameters",
 }
 
 
@@ -70,6 +71,11 @@ def adapter_fingerprint(cfg: Config) -> dict:
         **({"unfrozen_parameters": cfg.unfrozen_parameters} if cfg.unfrozen_parameters else {}),
         **({"bnb_config_kwargs": cfg.bnb_4bit_settings} if cfg.bnb_4bit_settings else {}),
         **({"tokens": cfg.tokens} if cfg.tokens else {}),
+        **(
+            {"lora_target_parameters": sorted(cfg.lora_target_parameters)}
+            if cfg.lora_target_parameters
+            else {}
+        ),
     }
 
 

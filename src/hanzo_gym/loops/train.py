@@ -10,7 +10,7 @@ from peft import prepare_model_for_kbit_training
 from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
-from hanzo_gym.config.kernel_keys import kernel_notes
+from hanzo_gym.config.kernel_keys import kernel_notes, transformers_experts_implementation
 from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
 from hanzo_gym.data.axolotl_templates import FAMILY_TEMPLATES, check_template_family
 from hanzo_gym.data.dataset import excess_length_note, load_examples
@@ -83,6 +83,7 @@ def build_engine(
         revision=cfg.revision_of_model,
         quantize_moe_experts=cfg.quantize_moe_experts,
         bnb_4bit=cfg.bnb_4bit_settings,
+        experts_implementation=transformers_experts_implementation(cfg),
     )
     check_loader_class("model_type", cfg.model_type, model, cfg.base_model)
     if cfg.load_in_4bit or cfg.load_in_8bit:
@@ -137,6 +138,7 @@ def build_engine(
             cfg.base_model,
             cfg.peft_use_rslora,
             cfg.lora_modules_to_save,
+            cfg.lora_target_parameters,
         )
     # adapter_config.json's `revision`: the base it was trained on, as PEFT records it
     if cfg.revision_of_model:

@@ -281,6 +281,7 @@ def load_causal_lm(
     revision: str | None = None,
     quantize_moe_experts: bool = False,
     bnb_4bit: dict | None = None,
+    experts_implementation: str | None = None,
 ) -> transformers.PreTrainedModel:
     """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
     linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; with `load_in_8bit`
@@ -291,13 +292,16 @@ def load_causal_lm(
     `revision` picks a branch, tag or commit of a hub base_model (`revision_of_model`). `quantize_moe_experts`
     quantizes the MoE layers' stacked expert weights as they load, to NF4 with load_in_4bit and to int8 rows with
     load_in_8bit (model/moe_quant.py); a model without such weights fails, since the key would do nothing. `bnb_4bit` overrides the 4-bit
-    settings (Axolotl's `bnb_config_kwargs`: `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`)."""
+    settings (Axolotl's `bnb_config_kwargs`: `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`).
+    `experts_implementation` picks how an MoE layer runs its experts (transformers' default when None)."""
     model_dir = resolve_model(base_model, trust_remote_code, revision)
     _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
     return_large_frees_to_the_system()  # from the load on: its converted tensors' buffers, then each step's
     placement: dict = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if trust_remote_code:
         placement["trust_remote_code"] = True
+    if experts_implementation:
+        placement["experts_implementation"] = experts_implementation
     quantized = load_in_4bit or load_in_8bit
     if quantized:
         placement["quantization_config"] = (

@@ -13,6 +13,11 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from hanzo_gym.errors import ModelError
+from hanzo_gym.model.parameter_lora import (
+    repair_parameter_wrappers,
+    resolve_target_parameters,
+    smallest_side,
+)
 
 
 def attach_lora(
@@ -24,6 +29,7 @@ def attach_lora(
     base_model_name: str,
     rslora: bool = False,
     modules_to_save: list[str] | None = None,
+    target_parameters: list[str] | None = None,
 ) -> PeftModel:
     """Wrap `model` with a fresh adapter; `target_modules="all-linear"` adapts every linear layer but the output.
 
@@ -31,18 +37,24 @@ def attach_lora(
     LoRA), recorded in adapter_config.json as PEFT does. `modules_to_save` (Axolotl's lora_modules_to_save,
     e.g. embed_tokens and lm_head) trains a full copy of each named module beside the adapter; on a model
     whose input and output embeddings are one matrix they stay one (PEFT's ensure_weight_tying), so a merged
-    model keeps the architecture its config states. vLLM does not load such adapters.
+    model keeps the architecture its config states. vLLM does not load such adapters. `target_parameters`
+    (Axolotl's lora_target_parameters) adapts bare parameters, an MoE layer's 3-D expert stacks, with one
+    low-rank pair per expert (model/parameter_lora.py).
     """
     if target_modules == "all-linear":
         target_modules = linear_module_names(model)
     _check_rank_fits(model, r, target_modules, base_model_name)
+    if target_parameters:
+        target_parameters = resolve_target_parameters(model, target_parameters, base_model_name)
+        _check_rank_fits_parameters(model, r, target_parameters, base_model_name)
     if modules_to_save:
         _check_modules_exist(model, modules_to_save)
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
         lora_dropout=dropout,
-        target_modules=target_modules,
+        target_modules=target_modules or None,  # none: only target_parameters
+        target_parameters=target_parameters or None,
         use_rslora=rslora,
         bias="none",
         task_type="CAUSAL_LM",
@@ -59,6 +71,7 @@ def attach_lora(
             peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:
         raise ModelError(f"cannot attach LoRA to {model.config.model_type}: {exc}") from None
+    repair_parameter_wrappers(peft_model)
     keep_adapter_fp32(peft_model)
     peft_model.peft_config["default"].base_model_name_or_path = base_model_name
     return peft_model
@@ -92,6 +105,7 @@ def load_trainable_lora(model: PreTrainedModel, directory: str | Path, base_mode
         raise ModelError(
             f"lora_model_dir {directory}: the adapter does not fit base_model `{base_model_name}` ({exc})"
         ) from None
+    repair_parameter_wrappers(peft_model)
     keep_adapter_fp32(peft_model)
     peft_model.peft_config["default"].base_model_name_or_path = base_model_name
     return peft_model
@@ -165,6 +179,18 @@ def _check_rank_fits(
         )
 
 
+def _check_rank_fits_parameters(
+    model: torch.nn.Module, r: int, paths: list[str], base_model_name: str
+) -> None:
+    smallest = smallest_side(model, paths)
+    if smallest is not None and r > smallest[1]:
+        raise ModelError(
+            f"lora_r (LoRA rank) {r} is larger than the parameters lora_target_parameters adapts in "
+            f"{base_model_name}: each expert of {smallest[0]} has a side of {smallest[1]}; set lora_r to at most "
+            f"{smallest[1]}"
+        )
+
+
 def is_target(path: str, target_modules: list[str] | str) -> bool:
     """PEFT's rule: a string is a regular expression the whole module path matches; a list names modules by
     their last name or full path."""
@@ -223,6 +249,7 @@ def write_adapter(directory: str | Path, config: LoraConfig, weights: dict[str, 
         peft_type="LORA",
         inference_mode=True,
         target_modules=targets if isinstance(targets, str) else sorted(targets),
+        target_parameters=sorted(fields.get("target_parameters") or []) or None,
     )
     (directory / ADAPTER_CONFIG).write_text(json.dumps(fields, indent=2, default=str) + "\n")
 

@@ -19,18 +19,28 @@ def merged_weights(model: PeftModel, dtype: torch.dtype) -> Iterator[tuple[str, 
     `dtype`, computed one layer at a time; the training model is not modified. Tied weights appear once."""
     base = model.get_base_model()
     adapter = model.active_adapter
-    lora_layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    # the path of each adapted tensor as the base model names it → its LoRA layer
+    adapted = {
+        _without_wrappers(f"{name}.{getattr(module, 'parameter_name', 'weight')}"): module
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer)
+    }
     for name, param in base.named_parameters():
-        owner, _, leaf = name.rpartition(".")
         if ".lora_" in name:
             continue
-        layer_name = owner.removesuffix(".base_layer")
-        layer = lora_layers.get(layer_name)
-        if layer is not None and owner.endswith(".base_layer") and leaf == "weight":
+        plain = _without_wrappers(name)
+        layer = adapted.get(plain)
+        if layer is not None:
             merged = param.float() + layer.get_delta_weight(adapter).float()
-            yield f"{layer_name}.weight", merged.to(dtype)
+            yield plain, merged.to(dtype)
         else:
-            yield name.replace(".base_layer.", "."), param.detach().to(dtype)
+            yield plain, param.detach().to(dtype)
+
+
+def _without_wrappers(name: str) -> str:
+    """A parameter's path without PEFT's `base_layer` hops (one per wrapper; LoRA on two parameters of one
+    module nests two)."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
 
 
 def write_policy_adapter(model: PeftModel, directory: Path) -> Path:
