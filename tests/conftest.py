@@ -173,6 +173,20 @@ def tiny_gemma4_moe_base(tmp_path_factory, qwen3_tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt_oss_mxfp4(tmp_path_factory, qwen3_tokenizer) -> SimpleNamespace:
+    """A tiny random gpt-oss stored as gpt-oss is (experts in MXFP4) with the real Qwen3 tokenizer, and the
+    values its experts hold."""
+    from tiny_models import save_mxfp4_gpt_oss
+
+    directory = tmp_path_factory.mktemp("tiny-gpt-oss-mxfp4")
+    values = save_mxfp4_gpt_oss(
+        directory, vocab_size=len(qwen3_tokenizer), eos_token_id=qwen3_tokenizer.eos_token_id, pad_token_id=None
+    )
+    qwen3_tokenizer.save_pretrained(directory)
+    return SimpleNamespace(path=directory, expert_values=values)
+
+
+@pytest.fixture(scope="session")
 def wide_qwen3_dir(tmp_path_factory, qwen3_tokenizer) -> str:
     """The tiny Qwen3 with a wide initialisation, so that log-probabilities differ from position to position
     (with the default 0.02 every token scores about -log(vocab)): what scoring tests compare."""

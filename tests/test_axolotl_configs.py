@@ -114,7 +114,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 76, loading
+    assert len(loading) >= 78, loading
 
 
 @pytest.mark.parametrize(
@@ -139,10 +139,12 @@ def test_most_text_model_lora_and_qlora_examples_load():
         # LoRA on Gemma 4's NF4 expert stacks (lora_target_parameters) and its text layers by a regex
         "gemma4--26b-a4b-moe-qlora.yaml",
         "gemma4--26b-a4b-moe-bnb-lora.yaml",
+        # gpt-oss's MXFP4 experts dequantized as they load, a FlashAttention kernel on the Hub, field_thinking
+        "gpt-oss--gpt-oss-20b-sft-lora-singlegpu.yaml",
     ],
 )
 def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_changed(
-    name, tmp_path, tiny_base, tiny_moe_base, tiny_gemma4_moe_base, tiny_mistral, capsys
+    name, tmp_path, tiny_base, tiny_moe_base, tiny_gemma4_moe_base, tiny_gpt_oss_mxfp4, tiny_mistral, capsys
 ):
     assert not EXPECTED[name]
     text = (CONFIGS / name).read_text()
@@ -150,6 +152,8 @@ def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_ch
     base = tiny_moe_base if moe else tiny_mistral if mistral else tiny_base
     if name.startswith("gemma4--"):
         base = tiny_gemma4_moe_base
+    if name.startswith("gpt-oss--"):
+        base = tiny_gpt_oss_mxfp4.path
     data = _with_local_paths(name, tmp_path, str(base))
     for key in OTHER_MODEL_KEYS:
         data.pop(key, None)

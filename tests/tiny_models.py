@@ -57,7 +57,61 @@ def tiny_config(kind: str = "llama", **overrides):
             **common,
         )
         return Gemma4Config(text_config=text)
+    if kind == "gpt_oss":  # sides of 32 and more: MXFP4 stores blocks of 32 values
+        from transformers import GptOssConfig
+
+        common.update(hidden_size=64, intermediate_size=32, max_position_embeddings=256)
+        return GptOssConfig(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=64,
+            **common,
+        )
     raise ValueError(kind)
+
+
+# MXFP4's element format (OCP Microscaling, FP4 E2M1): the value of each 4-bit code
+FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def save_mxfp4_gpt_oss(directory, seed: int = 0, **overrides) -> dict[str, torch.Tensor]:
+    """A tiny random gpt-oss saved as gpt-oss is published: each expert tensor as MXFP4 blocks (two 4-bit codes a
+    byte, low nibble first, 32 values a block) and E8M0 scales (a power of two, exponent bias 127), stored
+    transposed (one row per output). Returns the values the experts hold, decoded here from the format's
+    definition."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("gpt_oss", seed=seed, **overrides)
+    model.save_pretrained(directory)
+    state = load_file(directory / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    values = {}
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state.pop(key).shape
+        codes = torch.randint(0, 16, (experts, outputs, inputs), generator=generator)
+        exponents = torch.randint(120, 130, (experts, outputs, inputs // 32), generator=generator)
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+        state[f"{key}_blocks"] = packed.reshape(experts, outputs, inputs // 32, 16)
+        state[f"{key}_scales"] = exponents.to(torch.uint8)
+        scale = torch.pow(2.0, (exponents - 127).float()).repeat_interleave(32, dim=-1)
+        values[key] = (torch.tensor(FP4_VALUES)[codes] * scale).transpose(1, 2)
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return values
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, **overrides):

@@ -80,7 +80,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     **{
         key: (what, "remove it")
         for key, what in (
-            ("experimental_skip_move_to_device", "leaving the model where it loaded"),
             ("processor_type", "a multimodal processor class"),
             ("context_parallel_size", "context parallelism over GPUs"),
             ("use_onebitllms", "1-bit (BitNet) layers"),
@@ -93,8 +92,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("save_strategy", "HF's checkpoint strategy"),
             ("eval_strategy", "HF's evaluation strategy"),
             ("evaluation_strategy", "HF's evaluation strategy"),
-            ("model_quantization_config", "a quantization config class for the base model"),
-            ("model_quantization_config_kwargs", "the base model's quantization settings"),
             ("model_config", "overrides of the model's config"),
             ("local_rank", "the process's GPU index (set by the launcher)"),
             ("llama4_linearized_experts", "Llama 4's linearized expert layers"),
@@ -133,8 +130,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("flex_attn_compile_kwargs", "torch.compile settings of flex attention"),
             ("flash_optimum", "BetterTransformer attention"),
             ("max_packed_sequence_len", "the old packing length (use `sequence_len`)"),
-            ("datasets[].field_thinking", "a field holding each turn's reasoning"),
-            ("datasets[].template_thinking_key", "the template's name for the reasoning field"),
             ("trl.generation_kwargs", "extra vLLM sampling parameters"),
             ("trl.chat_template_kwargs", "extra chat-template variables for prompts"),
         )

@@ -32,6 +32,7 @@ from hanzo_gym.config.axolotl_keys import (
 )
 from hanzo_gym.config.eval_keys import EvalKeys, check_eval_keys
 from hanzo_gym.config.kernel_keys import KernelKeys, check_kernel_keys
+from hanzo_gym.config.model_quantization_keys import ModelQuantizationKeys, check_model_quantization
 from hanzo_gym.config.parameter_patterns import ROW_RANGE, name_pattern
 from hanzo_gym.config.preference_keys import (
     KTO_TYPES,
@@ -203,6 +204,9 @@ class DatasetConfig(_Strict):
     field_messages: str = "messages"
     drop_system_message: bool = False  # leave out a conversation's leading system turn
     message_property_mappings: MessagePropertyMappings | None = None
+    # a turn's reasoning: the message field that holds it, and the name the chat template reads it by
+    field_thinking: str = "reasoning_content"
+    template_thinking_key: str = "reasoning_content"
     roles_to_train: list[str] = ["assistant"]
     train_on_eos: Literal["turn", "last", "all", "none"] = "turn"
     field_instruction: str = "instruction"
@@ -357,7 +361,11 @@ class CheckpointingKwargs(_Strict):
 
 # The mixins' keys sit at the top level, as in Axolotl: config/preference_keys.py, tracking.py, kernel_keys.py,
 # eval_keys.py.
-class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
+ATTENTION_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+HUB_KERNEL = r"[\w.-]+/[\w.-]+(@[\w.-]+)?(:\w+)?"  # transformers' `owner/repo[@revision][:function]`
+
+
+class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQuantizationKeys):
     base_model: str
     revision_of_model: str | None = None  # a branch, tag or commit of a hub base_model
     trust_remote_code: bool = False  # let transformers run the model repository's own Python code
@@ -476,7 +484,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
     # training row go too
     dataset_exact_deduplication: bool = False
     tf32: Literal["auto", True, False] | None = None  # CUDA's TF32 matmuls; no effect on a CPU
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] | None = None
+    # a transformers kernel name, or a kernel on the Hub (`kernels-community/flash-attn3`, run through `kernels`)
+    attn_implementation: str | None = None
     # Axolotl's older switch: true means attn_implementation flash_attention_2
     flash_attention: bool | None = None
     model_type: str | None = None  # Axolotl's model class, checked against what base_model loads as
@@ -506,6 +515,16 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
             )
         trl["multi_objective_aggregation"] = "normalize_then_sum"
         return {**data, "rl": "grpo", "trl": trl}
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, value: str | None) -> str | None:
+        if value is None or value in ATTENTION_KERNELS or re.fullmatch(HUB_KERNEL, value):
+            return value
+        raise ValueError(
+            f"unknown attention kernel; use one of {', '.join(ATTENTION_KERNELS)} or a kernel on the Hub "
+            "(`owner/repo`, e.g. kernels-community/flash-attn3)"
+        )
 
     @field_validator("lora_target_parameters", mode="before")
     @classmethod
@@ -714,6 +733,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys):
         check_preference_keys(self)
         check_vllm_keys(self.trl, self.vllm, self.rl)
         check_kernel_keys(self, self.adapter, self.attn_implementation)
+        check_model_quantization(self, self.load_in_4bit, self.load_in_8bit)
         check_run_shape_keys(self)  # lora_model_dir, the batching keys: config/run_shape_keys.py
         check_eval_keys(self)
         if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:
@@ -983,11 +1003,6 @@ def _value_refusal(key: str, value: Any) -> str | None:
         return None
     if sentence is not None:
         return sentence
-    if key == "attn_implementation" and isinstance(value, str) and "/" in value:
-        return (
-            f"Axolotl's `attn_implementation: {value}` (an attention kernel from the Hugging Face hub) is not "
-            "supported yet; use sdpa or flash_attention_2"
-        )
     if key == "optimizer" and value in OTHER_OPTIMIZERS:
         return (
             f"Axolotl's `optimizer: {value}` (an update rule other than AdamW) is not supported yet; use "

@@ -81,7 +81,8 @@ def canonical_role(role: str) -> str:
 def chat_messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
     """The row's turns as template messages: mapped `role`/`content`, canonical roles, and the row's `system`
     field prepended as a system turn unless the conversation starts with one (a leading system turn is left
-    out with `drop_system_message`, as in Axolotl). Other keys pass through."""
+    out with `drop_system_message`, as in Axolotl). A turn's reasoning (`field_thinking`) goes to the template
+    under the name it reads (`template_thinking_key`). Other keys pass through."""
     where = _where(row)
     turns = row.data.get(ds.field_messages)
     if not isinstance(turns, list):
@@ -101,6 +102,8 @@ def chat_messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
         content = _message_text(turn.get(mapping.content), f"{where}: message {number}", mapping.content)
         message = {key: value for key, value in turn.items() if key not in (mapping.role, mapping.content)}
         message.update(role=canonical_role(role), content=content)
+        if ds.field_thinking != ds.template_thinking_key and ds.field_thinking in message:
+            message[ds.template_thinking_key] = message.pop(ds.field_thinking)
         messages.append(message)
     system = row.data.get("system")
     if isinstance(system, str) and (not messages or messages[0]["role"] != "system"):

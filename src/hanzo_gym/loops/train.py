@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
 from hanzo_gym.config.kernel_keys import kernel_notes, transformers_experts_implementation
+from hanzo_gym.config.model_quantization_keys import model_quantization
 from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
 from hanzo_gym.data.axolotl_templates import FAMILY_TEMPLATES, check_template_family
 from hanzo_gym.data.dataset import excess_length_note, load_examples
@@ -50,6 +51,7 @@ from hanzo_gym.model.loader_keys import (
     check_loader_class,
     enable_checkpointing,
     fit_embeddings,
+    skip_move_note,
 )
 from hanzo_gym.model.lora import attach_lora, linear_module_names, load_trainable_lora, read_adapter_config
 from hanzo_gym.model.unfreeze import train_only_matching
@@ -69,7 +71,8 @@ def build_engine(
         # FlashAttention cannot run Gemma 4's global layers (head_dim 512) and one kernel serves all layers
         # here: sdpa, as kernel_notes says.
         attention, attention_note = "sdpa", None
-    for note in (attention_note, apply_tf32(cfg.tf32, device), *kernel_notes(cfg)):
+    notes = (attention_note, apply_tf32(cfg.tf32, device), skip_move_note(cfg.experimental_skip_move_to_device))
+    for note in (*notes, *kernel_notes(cfg)):
         if note and is_main():
             print(note, flush=True)
     model = load_causal_lm(
@@ -84,6 +87,7 @@ def build_engine(
         quantize_moe_experts=cfg.quantize_moe_experts,
         bnb_4bit=cfg.bnb_4bit_settings,
         experts_implementation=transformers_experts_implementation(cfg),
+        mxfp4=model_quantization(cfg),
     )
     check_loader_class("model_type", cfg.model_type, model, cfg.base_model)
     if cfg.load_in_4bit or cfg.load_in_8bit:

@@ -282,6 +282,7 @@ def load_causal_lm(
     quantize_moe_experts: bool = False,
     bnb_4bit: dict | None = None,
     experts_implementation: str | None = None,
+    mxfp4: dict | None = None,
 ) -> transformers.PreTrainedModel:
     """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
     linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; with `load_in_8bit`
@@ -293,7 +294,9 @@ def load_causal_lm(
     quantizes the MoE layers' stacked expert weights as they load, to NF4 with load_in_4bit and to int8 rows with
     load_in_8bit (model/moe_quant.py); a model without such weights fails, since the key would do nothing. `bnb_4bit` overrides the 4-bit
     settings (Axolotl's `bnb_config_kwargs`: `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`).
-    `experts_implementation` picks how an MoE layer runs its experts (transformers' default when None)."""
+    `experts_implementation` picks how an MoE layer runs its experts (transformers' default when None). `mxfp4`
+    (Axolotl's `model_quantization_config: Mxfp4Config` and its kwargs) reads an MXFP4 checkpoint (gpt-oss's),
+    dequantizing its experts to `dtype` as they load."""
     model_dir = resolve_model(base_model, trust_remote_code, revision)
     _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
     return_large_frees_to_the_system()  # from the load on: its converted tensors' buffers, then each step's
@@ -302,6 +305,9 @@ def load_causal_lm(
         placement["trust_remote_code"] = True
     if experts_implementation:
         placement["experts_implementation"] = experts_implementation
+    if mxfp4 is not None:
+        _check_mxfp4_checkpoint(base_model, model_dir)
+        placement["quantization_config"] = transformers.Mxfp4Config(**mxfp4)
     quantized = load_in_4bit or load_in_8bit
     if quantized:
         placement["quantization_config"] = (
@@ -336,6 +342,15 @@ def load_causal_lm(
             f"could not load the weights of base_model `{base_model}` from {model_dir}: {error}. "
             "The directory needs config.json plus model.safetensors (or sharded *.safetensors with an index)."
         ) from error
+
+
+def _check_mxfp4_checkpoint(base_model: str, model_dir: Path) -> None:
+    stored = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    if stored.get("quant_method") != "mxfp4":
+        raise ModelError(
+            f"model_quantization_config: Mxfp4Config reads a checkpoint stored in MXFP4 (gpt-oss's), and base_model "
+            f"`{base_model}` is not one (its config.json has no mxfp4 quantization_config): remove the key"
+        )
 
 
 def _unreadable_weights(model_dir: Path) -> Path | None:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from hanzo_gym.config import Config
 
 AUTO_CLASSES = {"model_type": "AutoModelForCausalLM", "tokenizer_type": "AutoTokenizer"}
+DEFAULT_ATTENTION = "sdpa (eager where the model has no sdpa)"
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
@@ -39,19 +40,38 @@ def check_loader_class(key: str, wanted: str | None, loaded: object, base_model:
 
 def attention_kernel(requested: str | None, device: torch.device) -> tuple[str | None, str | None]:
     """The `attn_implementation` to load with, and a line to print when it is not the one requested. A flash
-    kernel needs its package and a CUDA device; where either is missing the model loads with sdpa (the same
-    attention, computed by torch)."""
-    if requested is None or requested not in FLASH_PACKAGES:
+    kernel, or one on the Hub (`kernels-community/vllm-flash-attn3`: FlashAttention built for the `kernels`
+    package), needs its package and a CUDA device; where either is missing the model loads with transformers'
+    default kernel: sdpa (the same attention, computed by torch), or eager for a model sdpa cannot run (gpt-oss's
+    attention sinks)."""
+    hub_kernel = (
+        requested is not None and "/" in requested
+    )  # run by the `kernels` package, fetched from the Hub
+    if requested is None or not (hub_kernel or requested in FLASH_PACKAGES):
         return requested, None
-    package = FLASH_PACKAGES[requested]
+    package = "kernels" if hub_kernel else FLASH_PACKAGES[requested]
     if device.type != "cuda":
-        return "sdpa", f"attn_implementation: {requested} runs on CUDA only; using sdpa on {device.type}"
+        return (
+            None,
+            f"attn_implementation: {requested} runs on CUDA only; using {DEFAULT_ATTENTION} on {device.type}",
+        )
     if importlib.util.find_spec(package) is None:
         return (
-            "sdpa",
-            f"attn_implementation: {requested} needs the `{package}` package, not installed; using sdpa",
+            None,
+            f"attn_implementation: {requested} needs the `{package}` package, not installed; using {DEFAULT_ATTENTION}",
         )
     return requested, None
+
+
+def skip_move_note(skip_move: bool | None) -> str | None:
+    """Axolotl's `experimental_skip_move_to_device` leaves the loaded model off the GPU for FSDP to shard; without
+    sharding, the model trains on the one device it is loaded onto, so there is no move to skip."""
+    if not skip_move:
+        return None
+    return (
+        "experimental_skip_move_to_device: no effect here; without FSDP the model trains on the one device it loads "
+        "onto"
+    )
 
 
 def apply_tf32(tf32: bool | str | None, device: torch.device) -> str | None:
