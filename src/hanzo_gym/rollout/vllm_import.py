@@ -11,7 +11,7 @@ from hanzo_gym.config.vllm_keys import INSTALL_VLLM
 from hanzo_gym.errors import GymError
 
 
-def import_vllm() -> ModuleType:
+def import_vllm(needed_by: str = "`trl.use_vllm`") -> ModuleType:
     # The engine core in this process: vLLM's default starts it in a spawned process, which re-imports the
     # caller's main module, and colocation means sharing this process's device anyway.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -21,7 +21,7 @@ def import_vllm() -> ModuleType:
     try:
         import vllm
     except ModuleNotFoundError:
-        raise GymError(f"`trl.use_vllm` needs vLLM, which is not installed here: {INSTALL_VLLM}") from None
+        raise GymError(f"{needed_by} needs vLLM, which is not installed here: {INSTALL_VLLM}") from None
     except RuntimeError as exc:
         if "torchvision" in str(exc) or "torchcodec" in str(exc) or "torchaudio" in str(exc):
             raise GymError(

@@ -371,15 +371,17 @@ def serve(
     limits: dict[str, int] | None = None,
     tinker: bool = False,
     tinker_models: dict[str, str] | None = None,
+    tinker_sampler: str = "builtin",
 ) -> None:
     """Serve `host`'s base model and `adapters` (name → PEFT folder or gym:// path) until interrupted; with
     `tinker`, Tinker's training and sampling API too (checkpoints under $HANZO_GYM_RUNS), on `host` and on
-    `tinker_models` (name → base model, each loaded at its first use)."""
+    `tinker_models` (name → base model, each loaded at its first use), its samples decoded by `tinker_sampler`
+    (`builtin` or `vllm`)."""
     try:
         models = ServedModels(host, adapters, renderer=renderer, name=name, **(limits or {}))
     except APIError as error:
         raise GymError(error.message) from None
-    api = tinker_api(models, more_models=tinker_models) if tinker else None
+    api = tinker_api(models, more_models=tinker_models, sampler=tinker_sampler) if tinker else None
     server = Server(models, bind, port, verbose, api)
     print(server.banner(), flush=True)
     try:
@@ -415,6 +417,7 @@ def run_serve(
     tinker: bool = False,
     tinker_model_specs: list[str] | None = None,
     bf16: str | bool = "auto",
+    tinker_sampler: str = "builtin",
 ) -> None:
     """`gym serve`: load the base model once, in the precision `bf16` picks (the config key's values), then
     serve it with its adapters."""
@@ -424,6 +427,8 @@ def run_serve(
     )
     if tinker_models and not tinker:
         raise GymError("--tinker-model adds base models to the Tinker API: give --tinker as well")
+    if tinker_sampler != "builtin" and not tinker:
+        raise GymError("--tinker-sampler picks what decodes the Tinker API's samples: give --tinker as well")
     for tinker_name, path in tinker_models.items():
         if tinker_name in (name, model) or model_key(tinker_name) == model_key(model):
             raise GymError(f"--tinker-model {tinker_name}: that name is already the served model's")
@@ -442,25 +447,39 @@ def run_serve(
         from hanzo_gym.serve.tinker_wire import proto
 
         proto()  # before the model loads: a missing SDK fails in a moment
+    if tinker_sampler == "vllm":
+        from hanzo_gym.rollout.vllm_import import import_vllm
+
+        import_vllm("--tinker-sampler vllm")  # likewise: without vLLM, the install command now
     precision = choose_precision(bf16)
     print(precision.describe(), flush=True)
     host = ModelHost(model, precision.device, precision.dtype)
-    serve(host, adapters, bind, port, renderer, name, verbose, limits, tinker, tinker_models)
+    serve(host, adapters, bind, port, renderer, name, verbose, limits, tinker, tinker_models, tinker_sampler)
 
 
 def tinker_api(
     models: ServedModels,
     root: str | None = None,
     more_models: dict[str, str] | None = None,
+    sampler: str = "builtin",
     **options: Any,
 ) -> TinkerAPI:
     """Tinker's API over `models`' base model (one copy in memory, shared with the OpenAI endpoints), which
     answers to the served name as well as to its path, and over `more_models` (name → base model, loaded at
-    the first request that names it). Training clients add adapters to their base model."""
+    the first request that names it). Training clients add adapters to their base model. With `sampler="vllm"`
+    the Tinker clients' samples are decoded by a colocated vLLM (the OpenAI endpoints keep the built-in
+    sampler, which streams)."""
     from hanzo_gym.tinker.service_client import ServiceClient
 
-    service = ServiceClient(root=root, device=models.host.device, dtype=models.host.precision.dtype)
-    service.serve_host(models.host, models.batcher)
+    service = ServiceClient(
+        root=root, device=models.host.device, dtype=models.host.precision.dtype, sampler=sampler
+    )
+    if sampler == "vllm":
+        from hanzo_gym.rollout.vllm_batcher import VllmBatcher
+
+        service.serve_host(models.host, VllmBatcher(models.host))
+    else:
+        service.serve_host(models.host, models.batcher)
     names = {models.name: models.host.base_model}
     for name, base_model in (more_models or {}).items():
         if name in names:
