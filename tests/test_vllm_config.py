@@ -197,3 +197,81 @@ def test_the_tinker_client_asks_for_a_known_sampler_and_names_the_vllm_install(
     service = tinker.ServiceClient(root=tmp_path, sampler="vllm", dtype=torch.float32)
     with pytest.raises(GymError, match=r"needs vLLM, which is not installed here: on a GPU `pip install"):
         service.create_lora_training_client(tiny_dir, rank=4)
+
+
+def _quantized_policy(kind: str, keys: dict, directory):
+    """A LoRA policy (B not zero) over the tiny model saved in `directory`, loaded 4- or 8-bit, after one forward
+    (an 8-bit layer moves its scales at its first)."""
+    import warnings
+
+    from hanzo_gym.model.hub import load_causal_lm
+    from hanzo_gym.model.lora import attach_lora
+
+    quantized = load_causal_lm(str(directory), torch.float32, **keys)
+    experts = ["experts.gate_up_proj", "experts.down_proj"] if kind == "qwen3_moe" else None
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        policy = attach_lora(quantized, 4, 8, 0.0, ["q_proj", "v_proj"], "tiny", target_parameters=experts)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+        policy(TOKENS)
+    return policy
+
+
+TOKENS = torch.tensor([list(range(3, 40))])
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys"),
+    [("llama", {"load_in_4bit": True}), ("qwen3_moe", {"load_in_4bit": True, "quantize_moe_experts": True})],
+    ids=["nf4", "nf4-experts"],
+)
+def test_over_a_4bit_base_the_merged_weights_are_the_policy_the_trainer_computes(kind, keys, tmp_path):
+    """What colocated vLLM is handed over QLoRA: a plain model with these weights computes the trainer's logits
+    (the dequantized base plus the adapter), not the full-precision checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_model(kind, initializer_range=0.2).save_pretrained(tmp_path)
+    policy = _quantized_policy(kind, keys, tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    merged = dict(merged_weights(policy, torch.float32))
+    assert merged.keys() == plain.state_dict().keys()
+    with torch.no_grad():
+        checkpoint_logits = plain(TOKENS).logits
+        plain.load_state_dict(merged)
+        expected = policy(TOKENS).logits
+        torch.testing.assert_close(plain(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+        assert (checkpoint_logits - expected).abs().max() > 1e-3  # the full-precision base is another model
+        plain.load_state_dict(dict(merged_weights(policy, torch.float32, fold_adapter=False)))
+        with policy.disable_adapter():
+            torch.testing.assert_close(plain(TOKENS).logits, policy(TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_over_an_8bit_base_the_merged_weights_hold_its_int8_rows(tmp_path):
+    """LLM.int8() rounds the activations too, which no plain model does; its weights are bitsandbytes' int8 rows
+    of the saved ones (quantized from fp16), dequantized."""
+    import bitsandbytes.functional as bnb_functional
+
+    saved = tiny_model("llama", initializer_range=0.2)
+    saved.save_pretrained(tmp_path)
+    policy = _quantized_policy("llama", {"load_in_8bit": True}, tmp_path)
+    base = dict(merged_weights(policy, torch.float32, fold_adapter=False))
+    merged = dict(merged_weights(policy, torch.float32))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        weight = saved.get_parameter(name).detach().to(torch.float16)
+        rows, scales, _ = bnb_functional.int8_vectorwise_quant(weight)
+        torch.testing.assert_close(base[name], bnb_functional.int8_vectorwise_dequant(rows, scales).float())
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    layer = policy.get_base_model().model.layers[0].self_attn.q_proj
+    torch.testing.assert_close(merged[q_proj], base[q_proj] + layer.get_delta_weight("default"))
+
+
+def test_server_mode_refuses_a_quantized_base():
+    from config_files import refusal_of
+
+    message = refusal_of(adapter="qlora", load_in_4bit=True, rl="grpo", trl={"use_vllm": True})
+    assert "the server adds each adapter to the full-precision base" in message

@@ -187,6 +187,20 @@ def test_gym_train_grpo_with_colocated_vllm(model_cache, tmp_path):
     assert not (tmp_path / "out" / "vllm-policy").exists()  # the hand-over folders are gone
 
 
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_gym_train_qlora_grpo_with_colocated_vllm_samples_the_4bit_policy(model_cache, tmp_path, sync):
+    """QLoRA: vLLM loads the base from disk in full precision, and is handed the NF4 values the trainer computes
+    with (folded with the adapter, or once before the first adapter), so its sampled log-probabilities are the
+    trainer's within 1e-3 as over a full-precision base."""
+    extra = "  vllm_mode: colocate\n  vllm_gpu_memory_utilization: 0.25\n"
+    if sync == "adapter":
+        extra += "  vllm_lora_sync: true\n"
+    config = _config(tmp_path, model_cache.gguf, extra)
+    config.write_text(config.read_text().replace("adapter: lora\n", "adapter: qlora\nload_in_4bit: true\n"))
+    stdout, rows = _train(config, {**os.environ, "HANZO_GYM_CACHE": str(model_cache.cache)})
+    _check_run(stdout, rows, "vLLM")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -596,6 +596,12 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQ
                 "ΔW to the weight, so there is no separate input to drop out (PEFT refuses it; Axolotl's examples "
                 "set 0): set lora_dropout: 0"
             )
+        if self.trl.use_vllm and (self.load_in_4bit or self.load_in_8bit) and self.trl.vllm_mode != "colocate":
+            raise ValueError(
+                "`trl.use_vllm` in server mode with a 4- or 8-bit base: the server adds each adapter to the "
+                "full-precision base it loaded, not to the quantized one the adapter trains on; use "
+                "`trl.vllm_mode: colocate` (which hands vLLM the dequantized base) or `adapter: lora`"
+            )
         if self.lora_target_parameters and self.trl.use_vllm:
             raise ValueError(
                 "`lora_target_parameters` with trl.use_vllm: vLLM loads LoRA adapters of linear layers, not of "

@@ -4,7 +4,9 @@ handed the policy before each rollout that follows an optimizer step.
 Two ways to hand it over, chosen by `trl.vllm_lora_sync` as Axolotl means it: false (the default) folds the
 adapter into the base weights and reloads them in place (vLLM then decodes a plain model, the fast path);
 true writes the adapter to a folder and samples through a new LoRA id (vLLM's LoRA kernels, which cost decode
-time; the previous id is dropped)."""
+time; the previous id is dropped). Over a 4- or 8-bit base (QLoRA) vLLM is handed the dequantized base weights,
+the values the trainer's quantized layers compute with, instead of the full-precision ones it loads from disk:
+folded with the adapter each time, or once before the first adapter."""
 
 from __future__ import annotations
 
@@ -36,12 +38,9 @@ class ColocatedVllmSampler(VllmSampler):
                 "colocated vLLM under torchrun is not supported yet: start one `vllm serve` and use "
                 "`trl.vllm_mode: server`"
             )
-        if cfg.load_in_4bit or cfg.load_in_8bit:
-            raise GymError(
-                "vLLM rollouts with a quantized (4-bit or 8-bit) base would sample from a full-precision copy of "
-                "the base, not the policy being trained; use `adapter: lora` without load_in_4bit / load_in_8bit"
-            )
         super().__init__(engine)
+        # vLLM loads the base from disk in full precision; a 4- or 8-bit base computes with other values
+        self._base_differs = cfg.load_in_4bit or cfg.load_in_8bit
         vllm = import_vllm()
         self._vllm = vllm
         self._lora_sync = settings.lora_sync
@@ -94,6 +93,10 @@ class ColocatedVllmSampler(VllmSampler):
         if self._lora_sync:
             from vllm.lora.request import LoRARequest
 
+            if self._base_differs:  # once: the dequantized base, which the adapter is added to
+                base = merged_weights(model, self._dtype, fold_adapter=False)
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": base})
+                self._base_differs = False
             folder = write_policy_adapter(model, self._workdir / f"policy-{self._version}")
             previous, self._lora = (
                 self._lora,
