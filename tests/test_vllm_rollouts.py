@@ -201,6 +201,22 @@ def test_gym_train_qlora_grpo_with_colocated_vllm_samples_the_4bit_policy(model_
     _check_run(stdout, rows, "vLLM")
 
 
+def test_gym_train_grpo_with_colocated_vllm_under_torchrun(model_cache, tmp_path):
+    """Two processes, each with an engine of its own (vLLM joins torchrun's processes, TRL's external
+    launcher), sampling its own prompts: the run trains, and each engine samples the policy both train."""
+    config = _config(
+        tmp_path, model_cache.gguf, "  vllm_mode: colocate\n  vllm_gpu_memory_utilization: 0.2\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hanzo_gym.cli"]
+    env = {**os.environ, "HANZO_GYM_CACHE": str(model_cache.cache), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*command, "train", str(config)], check=False, capture_output=True, text=True, env=env, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    _check_run(done.stdout, rows, "vLLM")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

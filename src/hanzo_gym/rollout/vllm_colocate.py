@@ -1,5 +1,6 @@
 """vLLM in the training process (TRL's colocate mode): its own copy of the base weights on the same device,
-handed the policy before each rollout that follows an optimizer step.
+handed the policy before each rollout that follows an optimizer step. Under torchrun each process has its own
+engine, which samples that process's prompts.
 
 Two ways to hand it over, chosen by `trl.vllm_lora_sync` as Axolotl means it: false (the default) folds the
 adapter into the base weights and reloads them in place (vLLM then decodes a plain model, the fast path);
@@ -33,10 +34,11 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 class ColocatedVllmSampler(VllmSampler):
     def __init__(self, engine: Engine, settings: VllmSettings, cfg: Config, workdir: Path):
-        if world_size() > 1:
+        if world_size() > 1 and settings.tensor_parallel_size > 1:
             raise GymError(
-                "colocated vLLM under torchrun is not supported yet: start one `vllm serve` and use "
-                "`trl.vllm_mode: server`"
+                "colocated vLLM under torchrun runs one engine in each process; tensor_parallel_size "
+                f"{settings.tensor_parallel_size} would split one engine over processes, which is not supported: "
+                "set it to 1, or start one `vllm serve` and use `trl.vllm_mode: server`"
             )
         super().__init__(engine)
         # vLLM loads the base from disk in full precision; a 4- or 8-bit base computes with other values
@@ -62,6 +64,10 @@ class ColocatedVllmSampler(VllmSampler):
             "gpu_memory_utilization": settings.memory_utilization,
             "tensor_parallel_size": settings.tensor_parallel_size,
         }
+        if world_size() > 1:
+            # torchrun started the processes: vLLM joins them instead of spawning its own (TRL's way), and with
+            # tensor_parallel_size 1 each process holds an engine of its own, for the prompts it samples
+            options["distributed_executor_backend"] = "external_launcher"
         if settings.enable_prefix_caching is not None:
             options["enable_prefix_caching"] = settings.enable_prefix_caching
         if self._lora_sync:
