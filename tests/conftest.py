@@ -172,6 +172,14 @@ def tiny_gemma4_moe_base(tmp_path_factory, qwen3_tokenizer) -> Path:
     return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-gemma4-moe"), qwen3_tokenizer, kind="gemma4_moe")
 
 
+@pytest.fixture(scope="module")
+def model_cache(converted_real_model):
+    """The converted real model as the default cache, for code (vLLM runs, subprocesses) that finds it there."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HANZO_GYM_CACHE", str(converted_real_model.cache))
+        yield converted_real_model
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt_oss_mxfp4(tmp_path_factory, qwen3_tokenizer) -> SimpleNamespace:
     """A tiny random gpt-oss stored as gpt-oss is (experts in MXFP4) with the real Qwen3 tokenizer, and the

@@ -83,13 +83,6 @@ def _perturb_adapter(engine, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
 
-@pytest.fixture(scope="module")
-def model_cache(converted_real_model):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HANZO_GYM_CACHE", str(converted_real_model.cache))
-        yield converted_real_model
-
-
 @pytest.fixture(scope="module", params=["merged", "adapter"])
 def colocated(request, model_cache, tmp_path_factory):
     """(engine, vLLM sampler) on the real model; the adapter already moved away from the base."""

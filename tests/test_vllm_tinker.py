@@ -11,13 +11,6 @@ from test_vllm_rollouts import _prompts
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def model_cache(converted_real_model):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HANZO_GYM_CACHE", str(converted_real_model.cache))
-        yield converted_real_model
-
-
 def test_tinker_sampling_clients_sample_through_vllm(model_cache, tmp_path):
     """The in-process Tinker client with `sampler="vllm"`: a trained adapter's sampling client decodes in vLLM,
     greedily as the built-in sampler does on the same sampler weights, with the trainer's log-probabilities."""

@@ -11,13 +11,6 @@ from test_vllm_rollouts import _prompts
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def model_cache(converted_real_model):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HANZO_GYM_CACHE", str(converted_real_model.cache))
-        yield converted_real_model
-
-
 def test_gym_serve_tinker_samples_through_vllm_for_the_official_sdk(model_cache, tmp_path, monkeypatch):
     """`gym serve --tinker --tinker-sampler vllm`: the official SDK trains an adapter on the server, and its
     sampling client decodes in vLLM what the built-in sampler decodes from the same checkpoint, greedily, with
