@@ -1,5 +1,5 @@
-"""What both benchmarks share: each side runs in its own subprocess (so `ru_maxrss` is that side's own peak)
-on the same de-quantised model and the same data file, and reports a JSON dict back."""
+"""What the benchmarks share: each side runs in its own subprocess (so its peak resident set is its own) on the
+same de-quantised model and the same data file, and reports a JSON dict back."""
 
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ INTERNAL = ("--model-dir", "--data", "--work-dir", "--result")
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
+    """This process's peak resident set. Read from VmHWM, not `ru_maxrss`: Linux carries `ru_maxrss` across
+    exec, so a side started by a parent that holds 1.7 GB (converting the GGUF) would report at least that."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: KB on Linux, bytes on macOS
 
 
 # The four sides of a precision comparison: each trainer in fp32 and at its bf16 setting.

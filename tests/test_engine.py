@@ -246,3 +246,43 @@ def test_datums_sharing_a_prompt_score_and_train_as_if_alone(kind):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     for a, b in zip(shared_grads, [p.grad for p in alone.trainable]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("shared_prompt", [True, False])
+def test_only_weighted_scores_the_weighted_positions_alone_and_trains_the_same(shared_prompt, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, VOCAB, (20,), generator=g).tolist()
+    other = torch.randint(3, VOCAB, (20,), generator=g).tolist()
+    tails = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (6, 4, 5)]
+    seqs = [prompt + tails[0], (prompt if shared_prompt else other) + tails[1], other + tails[2]]
+    weights = [[0.0] * 19 + [1.0] * len(t) for t in tails]
+    weights[2] = [1.0] * (len(seqs[2]) - 1)  # a datum weighted everywhere (ORPO's chosen)
+    datums = [_datum(s, w) for s, w in zip(seqs, weights)]
+    masks = [torch.tensor(w) != 0 for w in weights]
+
+    def summed_loss(logprobs):
+        return sum(lp[mask].sum() for lp, mask in zip(logprobs, masks)), {}
+
+    import hanzo_gym.engine.engine as engine_module
+
+    head_rows = []  # the rows the output layer computes logits for, per pass
+    original = engine_module.token_logprobs
+    monkeypatch.setattr(
+        engine_module, "token_logprobs", lambda hidden, *rest: head_rows.append(len(hidden)) or original(hidden, *rest)
+    )
+    engine = Engine(_lora(), max_tokens_per_pass=10_000)
+    results = {}
+    for only_weighted in (False, True):
+        head_rows.clear()
+        scored = engine.forward(datums, only_weighted=only_weighted)
+        engine.forward_backward_custom(datums, summed_loss, only_weighted=only_weighted)
+        results[only_weighted] = scored, [p.grad.clone() for p in engine.trainable], list(head_rows)
+        engine.optimizer.zero_grad(set_to_none=True)
+    (full, full_grads, full_rows), (only, only_grads, only_rows) = results[False], results[True]
+    assert full_rows == [sum(len(w) for w in weights)] * 2
+    assert only_rows == [sum(int(m.sum()) for m in masks)] * 2
+    for a, b, mask in zip(full, only, masks):
+        torch.testing.assert_close(b[mask], a[mask], rtol=1e-5, atol=1e-6)
+        assert not b[~mask].any()
+    for a, b in zip(full_grads, only_grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

@@ -107,13 +107,22 @@ class Engine:
     def trainable_parameter_count(self) -> int:
         return sum(p.numel() for p in self.trainable)
 
-    def forward(self, datums: list[Datum], reference: bool = False) -> list[torch.Tensor]:
+    def forward(
+        self, datums: list[Datum], reference: bool = False, only_weighted: bool = False
+    ) -> list[torch.Tensor]:
         """Per-token log-probabilities of each datum's targets; no gradients, dropout off. `reference=True`
-        scores with the adapter disabled: the frozen base model, the reference of a KL penalty."""
-        return self.forward_with(datums, (), reference)[0]
+        scores with the adapter disabled: the frozen base model, the reference of a KL penalty.
+        `only_weighted=True` scores only the positions whose `weights` are not 0 (all of a datum without
+        weights); the others come back as 0, and the output layer never computes their logits: for a loss that
+        reads the weighted positions only (a preference pair's completions)."""
+        return self.forward_with(datums, (), reference, only_weighted)[0]
 
     def forward_with(
-        self, datums: list[Datum], outputs: Sequence[str], reference: bool = False
+        self,
+        datums: list[Datum],
+        outputs: Sequence[str],
+        reference: bool = False,
+        only_weighted: bool = False,
     ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
         """`forward`, and per datum the `outputs` named (of POSITION_OUTPUTS: `entropy`, `log_sum_sq_probs`
         = log Σ_v π(v)²), one value per position, all on the CPU."""
@@ -123,7 +132,7 @@ class Engine:
         with self._scoring(), self._adapter_disabled() if reference else contextlib.nullcontext():
             for group in self._passes(datums):
                 lengths = [len(d) for d in group]
-                logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras)
+                logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras, only_weighted)
                 logprobs.extend(logprobs_N.cpu().split(lengths))
                 for name, per_datum in extras.items():
                     per_datum.extend(values[name].cpu().split(lengths))
@@ -147,14 +156,18 @@ class Engine:
         return self._scored_passes(datums, loss_fn, loss_fn_config, backward=True)
 
     def forward_backward_custom(
-        self, datums: list[Datum], loss_fn: SequenceLossFn, outputs: Sequence[str] = ()
+        self,
+        datums: list[Datum],
+        loss_fn: SequenceLossFn,
+        outputs: Sequence[str] = (),
+        only_weighted: bool = False,
     ) -> tuple[float, dict[str, float]]:
         """Accumulate the gradient of `loss_fn` over these datums' per-token log-probabilities, with one forward
         and one backward: for a loss that couples datums (a DPO pair: chosen against rejected), the graph of
         every pass is kept until the loss is known, so memory follows the batch, as in a padded batch.
         `loss_fn(logprobs)` takes one `[len(datum)]` tensor per datum and returns (scalar loss, metrics); each
         name in `outputs` (see `forward_with`) comes as a keyword argument, one `[len(datum)]` tensor per datum
-        without gradient. Returns the loss's value and the metrics."""
+        without gradient; `only_weighted` as in `forward`. Returns the loss's value and the metrics."""
         if not self.trainable:
             raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
         check_datums(datums)
@@ -163,7 +176,7 @@ class Engine:
         extras: dict[str, list[torch.Tensor]] = {name: [] for name in _checked_outputs(outputs)}
         for group in self._passes(datums):
             lengths = [len(d) for d in group]
-            logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras)
+            logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras, only_weighted)
             logprobs.extend(logprobs_N.split(lengths))
             for name, per_datum in extras.items():
                 per_datum.extend(values[name].split(lengths))
@@ -356,11 +369,12 @@ class Engine:
         return torch.cat([_as_tensor(d.loss_fn_inputs[key], dtype, len(d)) for d in datums]).to(self.device)
 
     def _packed_logprobs(
-        self, datums: list[Datum], log_sum_sq_probs: bool = False
+        self, datums: list[Datum], log_sum_sq_probs: bool = False, only_weighted: bool = False
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
         blocks that never cross datums (it infers them only when no cache is passed). The log-probabilities
-        `[N]` and, by name, the per-position `entropy` (and `log_sum_sq_probs` when asked)."""
+        `[N]` and, by name, the per-position `entropy` (and `log_sum_sq_probs` when asked); with
+        `only_weighted`, 0 at the positions of weight 0, whose logits are never computed."""
         offloading = self.activation_offloading and torch.is_grad_enabled()
         offload = (
             HostOffload(pin_memory=self.device.type == "cuda") if offloading else contextlib.nullcontext()
@@ -369,22 +383,30 @@ class Engine:
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype) if mixed else contextlib.nullcontext()
         )
+        scored = _weighted_positions(datums, self.device) if only_weighted else None
         with offload, autocast:
-            hidden = self._packed_hidden(datums)
+            hidden = self._packed_hidden(datums, scored)
         targets = self._concat(datums, "target_tokens", torch.long)
+        if scored is not None:
+            targets = targets[scored]
         weight = self._output_weight
         hidden = hidden.to(weight.dtype)  # a trained fp32 copy of the output layer over a bf16 base
         if log_sum_sq_probs:
-            logprobs_N, entropy_N, log_sum_sq_N = token_logprobs_with_log_sum_sq(
+            logprobs, entropy, log_sum_sq = token_logprobs_with_log_sum_sq(
                 hidden, weight, targets, self.logprob_chunk
             )
-            return logprobs_N, {"entropy": entropy_N, "log_sum_sq_probs": log_sum_sq_N}
-        logprobs_N, entropy_N = token_logprobs(hidden, weight, targets, self.logprob_chunk)
-        return logprobs_N, {"entropy": entropy_N}
+            values = {"entropy": entropy, "log_sum_sq_probs": log_sum_sq}
+        else:
+            logprobs, entropy = token_logprobs(hidden, weight, targets, self.logprob_chunk)
+            values = {"entropy": entropy}
+        if scored is None:
+            return logprobs, values
+        return _at_positions(logprobs, scored), {k: _at_positions(v, scored) for k, v in values.items()}
 
-    def _packed_hidden(self, datums: list[Datum]) -> torch.Tensor:
+    def _packed_hidden(self, datums: list[Datum], scored: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's last hidden states `[N, H]` of all datums' positions, one packed row (padded to a
-        bucket length on a CPU in bf16 or fp16, engine/row_buckets.py)."""
+        bucket length on a CPU in bf16 or fp16, engine/row_buckets.py); only the `scored` ones `[N]` (bool)
+        when given."""
         inputs = [d.model_input.to_ints() for d in datums]
         shared = shared_layout(inputs, self.device) if self.packs_datums else None
         row = len(shared.tokens) if shared is not None else sum(len(tokens) for tokens in inputs)
@@ -398,7 +420,8 @@ class Engine:
                 attention_mask=torch.block_diag(shared.mask, causal)[None, None],
                 use_cache=False,
             )
-            return output.last_hidden_state[0].index_select(0, shared.index)
+            index = shared.index if scored is None else shared.index[scored]
+            return output.last_hidden_state[0].index_select(0, index)
         tokens = torch.tensor([t for tokens in inputs for t in tokens] + [0] * padding, device=self.device)
         # Packed datums restart their positions, and the pad tokens with them: a datum of their own. A lone
         # unpadded datum takes the model's own default positions (some, like OPT, offset them internally).
@@ -407,7 +430,8 @@ class Engine:
         output = self._decoder(
             input_ids=tokens[None], position_ids=positions[None] if restarts else None, use_cache=False
         )
-        return output.last_hidden_state[0, :row]
+        hidden = output.last_hidden_state[0, :row]
+        return hidden if scored is None else hidden[scored]
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Clip (when asked), take one AdamW step with these parameters, and clear the gradients.
@@ -465,6 +489,24 @@ def mixed_precision_dtype(model: torch.nn.Module) -> torch.dtype | None:
     )
     adapter = any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     return base if base in (torch.bfloat16, torch.float16) and adapter else None
+
+
+def _weighted_positions(datums: list[Datum], device: torch.device) -> torch.Tensor:
+    """`[N]` bool over the datums' concatenated positions: weight not 0, or any position of a datum without
+    weights."""
+    return torch.cat(
+        [
+            torch.tensor(d.loss_fn_inputs["weights"].data) != 0
+            if "weights" in d.loss_fn_inputs
+            else torch.ones(len(d), dtype=torch.bool)
+            for d in datums
+        ]
+    ).to(device)
+
+
+def _at_positions(values_M: torch.Tensor, scored_N: torch.Tensor) -> torch.Tensor:
+    """`[N]`: the values of the scored positions in their places, 0 elsewhere (differentiable)."""
+    return values_M.new_zeros(scored_N.shape).masked_scatter(scored_N, values_M)
 
 
 def _checked_outputs(outputs: Sequence[str]) -> tuple[str, ...]:

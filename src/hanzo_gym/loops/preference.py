@@ -45,15 +45,21 @@ class PreferenceResult:
     last_eval: dict[str, float] | None
 
 
-def completion_datum(prompt: Sequence[int], completion: Sequence[int]) -> Datum:
-    """prompt + completion as a next-token datum; weight 1 on the completion's targets only."""
+def completion_datum(prompt: Sequence[int], completion: Sequence[int], whole: bool = False) -> Datum:
+    """prompt + completion as a next-token datum; weight 1 on the completion's targets only (every target's
+    when `whole`). The engine scores these with `only_weighted`: the output layer computes the weighted
+    positions' logits only."""
     tokens = [*prompt, *completion]
-    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
+    weights = [1.0 if whole else 0.0] * (len(prompt) - 1) + [1.0] * len(completion)
     return Datum.from_tokens(tokens[:-1], target_tokens=tokens[1:], weights=weights)
 
 
-def pair_datums(pair: PreferencePair) -> list[Datum]:
-    return [completion_datum(pair.prompt, pair.chosen), completion_datum(pair.prompt, pair.rejected)]
+def pair_datums(pair: PreferencePair, whole_chosen: bool = False) -> list[Datum]:
+    """[chosen, rejected]; `whole_chosen` scores the chosen datum's prompt too (ORPO's NLL term)."""
+    return [
+        completion_datum(pair.prompt, pair.chosen, whole=whole_chosen),
+        completion_datum(pair.prompt, pair.rejected),
+    ]
 
 
 def _completion_sum(logprobs: torch.Tensor, prompt_length: int) -> torch.Tensor:
@@ -107,7 +113,8 @@ class PairMethod:
         pairs = [self.items[i] for i in indices]
         # full fine-tuning has no adapter to disable: its reference is the weights before the first step
         reference = not self.engine.full_fine_tuning
-        scored = self.engine.forward([d for p in pairs for d in pair_datums(p)], reference=reference)
+        datums = [d for p in pairs for d in pair_datums(p)]
+        scored = self.engine.forward(datums, reference=reference, only_weighted=True)
         return [self._sums(scored[2 * j : 2 * j + 2], [pair])[:, 0] for j, pair in enumerate(pairs)]
 
     @staticmethod
@@ -123,7 +130,9 @@ class PairMethod:
         )
 
     def datums(self, batch: Sequence[int]) -> list[Datum]:
-        return [d for i in batch for d in pair_datums(self.items[i])]
+        # TRL's ORPO takes the chosen NLL over the whole chosen sequence, prompt included
+        whole_chosen = self.cfg.rl == "orpo"
+        return [d for i in batch for d in pair_datums(self.items[i], whole_chosen)]
 
     def prepare(self, batch: Sequence[int]) -> torch.Tensor | None:
         """What the loss needs besides the policy's log-probs: the reference sums `[2, B]` (DPO, IPO)."""
@@ -149,7 +158,6 @@ class PairMethod:
                 chosen_nll=chosen_nll,
             )  # fmt: skip
         if cfg.rl == "orpo":
-            # TRL's ORPO takes the chosen NLL over the whole chosen sequence, prompt included
             whole = torch.cat([logprobs[2 * i] for i in range(len(pairs))])
             return pl.orpo_loss(*policy, *lengths, -whole.mean(), orpo_alpha=self.beta)
         terms = cfg.dpo_terms
@@ -194,7 +202,7 @@ class KtoMethod:
     def _sums(self, keys: Sequence[tuple[int, int]], reference: bool = False) -> list[torch.Tensor]:
         """Summed log-probs of prompt i + completion j for each (i, j), by the reference or the policy."""
         datums = [completion_datum(self.items[i].prompt, self.items[j].completion) for i, j in keys]
-        scored = self.engine.forward(datums, reference=reference)
+        scored = self.engine.forward(datums, reference=reference, only_weighted=True)
         return [_completion_sum(lp, len(self.items[i].prompt)) for lp, (i, _) in zip(scored, keys)]
 
     @staticmethod
@@ -298,7 +306,7 @@ def evaluate(method: PairMethod | KtoMethod, micro_batch_size: int) -> dict[str,
     sums = _MetricSums()
     for batch in _eval_batches(len(method.items), micro_batch_size):
         prepared = method.prepare(batch)
-        logprobs, extras = method.engine.forward_with(method.datums(batch), method.outputs)
+        logprobs, extras = method.engine.forward_with(method.datums(batch), method.outputs, only_weighted=True)
         scored = method.loss(batch, logprobs, prepared, **extras)
         sums.add({"loss": scored.loss.item(), **scored.metrics})
     means, _ = sums.means_across(method.metric_names)
@@ -353,7 +361,10 @@ def train_preference(
             tokens = 0
             for batch in shard(window):
                 loss_fn = partial(_share_of_step, method, batch, method.prepare(batch), len(window))
-                sums.add(engine.forward_backward_custom(method.datums(batch), loss_fn, method.outputs)[1])
+                scored = engine.forward_backward_custom(
+                    method.datums(batch), loss_fn, method.outputs, only_weighted=True
+                )
+                sums.add(scored[1])
                 tokens += sum(train[i].tokens for i in batch)
             values, (tokens,) = sums.means_across(method.metric_names, float(tokens))
             stats = engine.optim_step(adam_params(cfg, tail.step, total))
