@@ -249,40 +249,56 @@ def test_datums_sharing_a_prompt_score_and_train_as_if_alone(kind):
 
 
 @pytest.mark.parametrize("shared_prompt", [True, False])
-def test_only_weighted_scores_the_weighted_positions_alone_and_trains_the_same(shared_prompt, monkeypatch):
+def test_scored_from_skips_the_prompts_logits_and_changes_no_loss_or_gradient(shared_prompt, monkeypatch):
+    """Per datum, positions before `scored_from` come back as 0 and the output layer never sees them; what a
+    loss reads after them, and the gradients, are those of scoring everything (custom losses and RL ones)."""
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, VOCAB, (20,), generator=g).tolist()
     other = torch.randint(3, VOCAB, (20,), generator=g).tolist()
     tails = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (6, 4, 5)]
     seqs = [prompt + tails[0], (prompt if shared_prompt else other) + tails[1], other + tails[2]]
-    weights = [[0.0] * 19 + [1.0] * len(t) for t in tails]
-    weights[2] = [1.0] * (len(seqs[2]) - 1)  # a datum weighted everywhere (ORPO's chosen)
-    datums = [_datum(s, w) for s, w in zip(seqs, weights)]
-    masks = [torch.tensor(w) != 0 for w in weights]
+    starts = [19, 19, 0]  # the last datum is scored whole (ORPO's chosen)
+    advantages = [[0.0] * start + [0.5] * (len(s) - 1 - start) for s, start in zip(seqs, starts)]
+    datums = [
+        Datum(
+            ModelInput.from_ints(s[:-1]),
+            {"target_tokens": s[1:], "logprobs": [-1.0] * (len(s) - 1), "advantages": a},
+        )
+        for s, a in zip(seqs, advantages)
+    ]
 
-    def summed_loss(logprobs):
-        return sum(lp[mask].sum() for lp, mask in zip(logprobs, masks)), {}
+    def completion_loss(logprobs):
+        return sum(lp[start:].sum() for lp, start in zip(logprobs, starts)), {}
 
     import hanzo_gym.engine.engine as engine_module
 
-    head_rows = []  # the rows the output layer computes logits for, per pass
+    head_rows = []  # the positions the output layer computes logits for, per pass
     original = engine_module.token_logprobs
     monkeypatch.setattr(
-        engine_module, "token_logprobs", lambda hidden, *rest: head_rows.append(len(hidden)) or original(hidden, *rest)
+        engine_module,
+        "token_logprobs",
+        lambda hidden, *rest: head_rows.append(len(hidden)) or original(hidden, *rest),
     )
     engine = Engine(_lora(), max_tokens_per_pass=10_000)
     results = {}
-    for only_weighted in (False, True):
+    for scored_from in (None, starts):
         head_rows.clear()
-        scored = engine.forward(datums, only_weighted=only_weighted)
-        engine.forward_backward_custom(datums, summed_loss, only_weighted=only_weighted)
-        results[only_weighted] = scored, [p.grad.clone() for p in engine.trainable], list(head_rows)
+        run = {"forward": engine.forward(datums, scored_from=scored_from)}
+        engine.forward_backward_custom(datums, completion_loss, scored_from=scored_from)
+        run["custom grads"] = [p.grad.clone() for p in engine.trainable]
         engine.optimizer.zero_grad(set_to_none=True)
-    (full, full_grads, full_rows), (only, only_grads, only_rows) = results[False], results[True]
-    assert full_rows == [sum(len(w) for w in weights)] * 2
-    assert only_rows == [sum(int(m.sum()) for m in masks)] * 2
-    for a, b, mask in zip(full, only, masks):
-        torch.testing.assert_close(b[mask], a[mask], rtol=1e-5, atol=1e-6)
-        assert not b[~mask].any()
-    for a, b in zip(full_grads, only_grads):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+        run["rl"] = engine.forward_backward(datums, "importance_sampling", scored_from=scored_from)
+        run["rl grads"] = [p.grad.clone() for p in engine.trainable]
+        engine.optimizer.zero_grad(set_to_none=True)
+        run["head rows"] = list(head_rows)
+        results[scored_from is not None] = run
+    every, skipping = results[False], results[True]
+    assert every["head rows"] == [sum(len(s) - 1 for s in seqs)] * 3
+    assert skipping["head rows"] == [sum(len(s) - 1 - start for s, start in zip(seqs, starts))] * 3
+    for a, b, start in zip(every["forward"], skipping["forward"], starts):
+        torch.testing.assert_close(b[start:], a[start:], rtol=1e-5, atol=1e-6)
+        assert not b[:start].any()
+    assert skipping["rl"].loss_sum == pytest.approx(every["rl"].loss_sum, rel=1e-5)
+    for name in ("custom grads", "rl grads"):
+        for a, b in zip(every[name], skipping[name]):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

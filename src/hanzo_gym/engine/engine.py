@@ -108,21 +108,21 @@ class Engine:
         return sum(p.numel() for p in self.trainable)
 
     def forward(
-        self, datums: list[Datum], reference: bool = False, only_weighted: bool = False
+        self, datums: list[Datum], reference: bool = False, scored_from: Sequence[int] | None = None
     ) -> list[torch.Tensor]:
         """Per-token log-probabilities of each datum's targets; no gradients, dropout off. `reference=True`
         scores with the adapter disabled: the frozen base model, the reference of a KL penalty.
-        `only_weighted=True` scores only the positions whose `weights` are not 0 (all of a datum without
-        weights); the others come back as 0, and the output layer never computes their logits: for a loss that
-        reads the weighted positions only (a preference pair's completions)."""
-        return self.forward_with(datums, (), reference, only_weighted)[0]
+        `scored_from` gives per datum the first position to score: those before it (a prompt's, which a
+        preference or RL loss never reads) come back as 0, and the output layer computes no logits for them
+        (a quarter of a short pair's work)."""
+        return self.forward_with(datums, (), reference, scored_from)[0]
 
     def forward_with(
         self,
         datums: list[Datum],
         outputs: Sequence[str],
         reference: bool = False,
-        only_weighted: bool = False,
+        scored_from: Sequence[int] | None = None,
     ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
         """`forward`, and per datum the `outputs` named (of POSITION_OUTPUTS: `entropy`, `log_sum_sq_probs`
         = log Σ_v π(v)²), one value per position, all on the CPU."""
@@ -130,9 +130,9 @@ class Engine:
         logprobs: list[torch.Tensor] = []
         extras: dict[str, list[torch.Tensor]] = {name: [] for name in _checked_outputs(outputs)}
         with self._scoring(), self._adapter_disabled() if reference else contextlib.nullcontext():
-            for group in self._passes(datums):
+            for group, firsts in self._passes_with(datums, scored_from):
                 lengths = [len(d) for d in group]
-                logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras, only_weighted)
+                logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras, firsts)
                 logprobs.extend(logprobs_N.cpu().split(lengths))
                 for name, per_datum in extras.items():
                     per_datum.extend(values[name].cpu().split(lengths))
@@ -146,37 +146,42 @@ class Engine:
             return self._scored_passes(datums, loss_fn, loss_fn_config, backward=False)
 
     def forward_backward(
-        self, datums: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
+        self,
+        datums: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict | None = None,
+        scored_from: Sequence[int] | None = None,
     ) -> ForwardBackwardOutput:
         """Accumulate the gradient of the summed loss into the adapter; return the loss sum, logprobs and the
-        policy's per-token entropies."""
+        policy's per-token entropies. `scored_from` as in `forward`: every loss is 0 where the weights and
+        advantages are, so skipping positions that have neither changes neither the loss nor the gradient."""
         if not self.trainable:
             raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
         self.model.train()
-        return self._scored_passes(datums, loss_fn, loss_fn_config, backward=True)
+        return self._scored_passes(datums, loss_fn, loss_fn_config, backward=True, scored_from=scored_from)
 
     def forward_backward_custom(
         self,
         datums: list[Datum],
         loss_fn: SequenceLossFn,
         outputs: Sequence[str] = (),
-        only_weighted: bool = False,
+        scored_from: Sequence[int] | None = None,
     ) -> tuple[float, dict[str, float]]:
         """Accumulate the gradient of `loss_fn` over these datums' per-token log-probabilities, with one forward
         and one backward: for a loss that couples datums (a DPO pair: chosen against rejected), the graph of
         every pass is kept until the loss is known, so memory follows the batch, as in a padded batch.
         `loss_fn(logprobs)` takes one `[len(datum)]` tensor per datum and returns (scalar loss, metrics); each
         name in `outputs` (see `forward_with`) comes as a keyword argument, one `[len(datum)]` tensor per datum
-        without gradient; `only_weighted` as in `forward`. Returns the loss's value and the metrics."""
+        without gradient; `scored_from` as in `forward`. Returns the loss's value and the metrics."""
         if not self.trainable:
             raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
         check_datums(datums)
         self.model.train()
         logprobs: list[torch.Tensor] = []
         extras: dict[str, list[torch.Tensor]] = {name: [] for name in _checked_outputs(outputs)}
-        for group in self._passes(datums):
+        for group, firsts in self._passes_with(datums, scored_from):
             lengths = [len(d) for d in group]
-            logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras, only_weighted)
+            logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras, firsts)
             logprobs.extend(logprobs_N.split(lengths))
             for name, per_datum in extras.items():
                 per_datum.extend(values[name].split(lengths))
@@ -185,7 +190,12 @@ class Engine:
         return loss.item(), metrics
 
     def _scored_passes(
-        self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None, backward: bool
+        self,
+        datums: list[Datum],
+        loss_fn: str,
+        loss_fn_config: dict | None,
+        backward: bool,
+        scored_from: Sequence[int] | None = None,
     ) -> ForwardBackwardOutput:
         if loss_fn not in LOSS_FNS:
             raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
@@ -195,10 +205,10 @@ class Engine:
         logprobs: list[torch.Tensor] = []
         entropies: list[torch.Tensor] = []
         # Losses are token-level sums, so pass-by-pass backwards accumulate exactly the whole batch's gradient.
-        for group in self._passes(datums):
+        for group, firsts in self._passes_with(datums, scored_from):
             keys = [*REQUIRED_INPUTS[loss_fn], *(k for k in OPTIONAL_INPUTS if k in group[0].loss_fn_inputs)]
             inputs = {key: self._concat(group, key, torch.float32) for key in keys}
-            logprobs_N, values = self._packed_logprobs(group)
+            logprobs_N, values = self._packed_logprobs(group, scored_from=firsts)
             entropy_N = values["entropy"]
             loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
             if backward:
@@ -365,16 +375,28 @@ class Engine:
             used += len(datum)
         return groups
 
+    def _passes_with(
+        self, datums: list[Datum], per_datum: Sequence | None
+    ) -> list[tuple[list[Datum], Sequence | None]]:
+        """`_passes`, each group with its datums' share of `per_datum` (None stays None)."""
+        if per_datum is not None and len(per_datum) != len(datums):
+            raise GymError(f"scored_from has {len(per_datum)} entries for {len(datums)} datums")
+        groups, start = [], 0
+        for group in self._passes(datums):
+            groups.append((group, None if per_datum is None else per_datum[start : start + len(group)]))
+            start += len(group)
+        return groups
+
     def _concat(self, datums: list[Datum], key: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.cat([_as_tensor(d.loss_fn_inputs[key], dtype, len(d)) for d in datums]).to(self.device)
 
     def _packed_logprobs(
-        self, datums: list[Datum], log_sum_sq_probs: bool = False, only_weighted: bool = False
+        self, datums: list[Datum], log_sum_sq_probs: bool = False, scored_from: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
         blocks that never cross datums (it infers them only when no cache is passed). The log-probabilities
         `[N]` and, by name, the per-position `entropy` (and `log_sum_sq_probs` when asked); with
-        `only_weighted`, 0 at the positions of weight 0, whose logits are never computed."""
+        `scored_from`, 0 before each datum's first scored position, where no logits are computed."""
         offloading = self.activation_offloading and torch.is_grad_enabled()
         offload = (
             HostOffload(pin_memory=self.device.type == "cuda") if offloading else contextlib.nullcontext()
@@ -383,7 +405,7 @@ class Engine:
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype) if mixed else contextlib.nullcontext()
         )
-        scored = _weighted_positions(datums, self.device) if only_weighted else None
+        scored = _scored_positions(datums, scored_from, self.device) if scored_from is not None else None
         with offload, autocast:
             hidden = self._packed_hidden(datums, scored)
         targets = self._concat(datums, "target_tokens", torch.long)
@@ -491,17 +513,11 @@ def mixed_precision_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return base if base in (torch.bfloat16, torch.float16) and adapter else None
 
 
-def _weighted_positions(datums: list[Datum], device: torch.device) -> torch.Tensor:
-    """`[N]` bool over the datums' concatenated positions: weight not 0, or any position of a datum without
-    weights."""
+def _scored_positions(datums: list[Datum], scored_from: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`[N]` bool over the datums' concatenated positions: True from each datum's `scored_from` on."""
     return torch.cat(
-        [
-            torch.tensor(d.loss_fn_inputs["weights"].data) != 0
-            if "weights" in d.loss_fn_inputs
-            else torch.ones(len(d), dtype=torch.bool)
-            for d in datums
-        ]
-    ).to(device)
+        [torch.arange(len(d), device=device) >= first for d, first in zip(datums, scored_from, strict=True)]
+    )
 
 
 def _at_positions(values_M: torch.Tensor, scored_N: torch.Tensor) -> torch.Tensor:

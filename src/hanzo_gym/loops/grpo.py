@@ -149,10 +149,12 @@ class Rollouts:
 
 @dataclass
 class TrainingBatch:
-    """The completions that train (flat indices into the rollouts' samples) and their datums."""
+    """The completions that train (flat indices into the rollouts' samples), their datums, and where each
+    datum's completion starts (the engine's `scored_from`: no logits are computed over the prompt)."""
 
     chosen: list[int]
     datums: list[Datum]
+    scored_from: list[int]
 
 
 def train_grpo(
@@ -260,7 +262,9 @@ def _train(
             )
             has_signal = sum_across(float(has_signal))[0] > 0  # every process steps, or none
             for iteration in range(trl.num_iterations if has_signal else 0):
-                out = engine.forward_backward(batch.datums, trl.loss_fn, _loss_config(cfg))
+                out = engine.forward_backward(
+                    batch.datums, trl.loss_fn, _loss_config(cfg), scored_from=batch.scored_from
+                )
                 stats = engine.optim_step(adam)
                 sampler.policy_changed()
                 if iteration == 0:
@@ -316,14 +320,16 @@ def _training_batch(rollouts: Rollouts, trl: TrlConfig, engine: Engine) -> Train
         )
         for i in chosen
     ]
+    scored_from = [len(rollouts.prompts_P[i // group].tokens) - 1 for i in chosen]
     if trl.beta > 0 and datums:
-        for i, datum, reference in zip(chosen, datums, engine.forward(datums, reference=True)):
+        references = engine.forward(datums, reference=True, scored_from=scored_from)
+        for i, datum, reference in zip(chosen, datums, references):
             completion = len(samples[i].tokens)
             datum.loss_fn_inputs["ref_logprobs"] = TensorData.from_torch(reference)
             datum.loss_fn_inputs["kl_weights"] = TensorData.coerce(
                 [0.0] * (len(datum) - completion) + [trl.beta * token_weights[i]] * completion, "float32"
             )
-    return TrainingBatch(chosen, datums)
+    return TrainingBatch(chosen, datums, scored_from)
 
 
 @dataclass

@@ -45,21 +45,21 @@ class PreferenceResult:
     last_eval: dict[str, float] | None
 
 
-def completion_datum(prompt: Sequence[int], completion: Sequence[int], whole: bool = False) -> Datum:
-    """prompt + completion as a next-token datum; weight 1 on the completion's targets only (every target's
-    when `whole`). The engine scores these with `only_weighted`: the output layer computes the weighted
-    positions' logits only."""
+def completion_datum(prompt: Sequence[int], completion: Sequence[int]) -> Datum:
+    """prompt + completion as a next-token datum; weight 1 on the completion's targets only."""
     tokens = [*prompt, *completion]
-    weights = [1.0 if whole else 0.0] * (len(prompt) - 1) + [1.0] * len(completion)
+    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
     return Datum.from_tokens(tokens[:-1], target_tokens=tokens[1:], weights=weights)
 
 
-def pair_datums(pair: PreferencePair, whole_chosen: bool = False) -> list[Datum]:
-    """[chosen, rejected]; `whole_chosen` scores the chosen datum's prompt too (ORPO's NLL term)."""
-    return [
-        completion_datum(pair.prompt, pair.chosen, whole=whole_chosen),
-        completion_datum(pair.prompt, pair.rejected),
-    ]
+def completion_start(prompt: Sequence[int]) -> int:
+    """The first position of a `completion_datum` whose target is a completion token: the engine's
+    `scored_from`, so that the output layer computes no logits over the prompt."""
+    return len(prompt) - 1
+
+
+def pair_datums(pair: PreferencePair) -> list[Datum]:
+    return [completion_datum(pair.prompt, pair.chosen), completion_datum(pair.prompt, pair.rejected)]
 
 
 def _completion_sum(logprobs: torch.Tensor, prompt_length: int) -> torch.Tensor:
@@ -114,7 +114,8 @@ class PairMethod:
         # full fine-tuning has no adapter to disable: its reference is the weights before the first step
         reference = not self.engine.full_fine_tuning
         datums = [d for p in pairs for d in pair_datums(p)]
-        scored = self.engine.forward(datums, reference=reference, only_weighted=True)
+        starts = [completion_start(p.prompt) for p in pairs for _ in range(2)]
+        scored = self.engine.forward(datums, reference=reference, scored_from=starts)
         return [self._sums(scored[2 * j : 2 * j + 2], [pair])[:, 0] for j, pair in enumerate(pairs)]
 
     @staticmethod
@@ -130,9 +131,17 @@ class PairMethod:
         )
 
     def datums(self, batch: Sequence[int]) -> list[Datum]:
-        # TRL's ORPO takes the chosen NLL over the whole chosen sequence, prompt included
-        whole_chosen = self.cfg.rl == "orpo"
-        return [d for i in batch for d in pair_datums(self.items[i], whole_chosen)]
+        return [d for i in batch for d in pair_datums(self.items[i])]
+
+    def scored_from(self, batch: Sequence[int]) -> list[int]:
+        """Where the loss starts reading each datum: the completion; TRL's ORPO takes the chosen NLL over the
+        whole chosen sequence, prompt included."""
+        chosen_from = (lambda prompt: 0) if self.cfg.rl == "orpo" else completion_start
+        return [
+            start
+            for i in batch
+            for start in (chosen_from(self.items[i].prompt), completion_start(self.items[i].prompt))
+        ]
 
     def prepare(self, batch: Sequence[int]) -> torch.Tensor | None:
         """What the loss needs besides the policy's log-probs: the reference sums `[2, B]` (DPO, IPO)."""
@@ -202,7 +211,8 @@ class KtoMethod:
     def _sums(self, keys: Sequence[tuple[int, int]], reference: bool = False) -> list[torch.Tensor]:
         """Summed log-probs of prompt i + completion j for each (i, j), by the reference or the policy."""
         datums = [completion_datum(self.items[i].prompt, self.items[j].completion) for i, j in keys]
-        scored = self.engine.forward(datums, reference=reference, only_weighted=True)
+        starts = [completion_start(self.items[i].prompt) for i, _ in keys]
+        scored = self.engine.forward(datums, reference=reference, scored_from=starts)
         return [_completion_sum(lp, len(self.items[i].prompt)) for lp, (i, _) in zip(scored, keys)]
 
     @staticmethod
@@ -211,6 +221,9 @@ class KtoMethod:
 
     def datums(self, batch: Sequence[int]) -> list[Datum]:
         return [completion_datum(self.items[i].prompt, self.items[i].completion) for i in batch]
+
+    def scored_from(self, batch: Sequence[int]) -> list[int]:
+        return [completion_start(self.items[i].prompt) for i in batch]
 
     def prepare(self, batch: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(reference sums, the policy's and the reference's sums on the KL batch), all without gradient."""
@@ -306,7 +319,9 @@ def evaluate(method: PairMethod | KtoMethod, micro_batch_size: int) -> dict[str,
     sums = _MetricSums()
     for batch in _eval_batches(len(method.items), micro_batch_size):
         prepared = method.prepare(batch)
-        logprobs, extras = method.engine.forward_with(method.datums(batch), method.outputs, only_weighted=True)
+        logprobs, extras = method.engine.forward_with(
+            method.datums(batch), method.outputs, scored_from=method.scored_from(batch)
+        )
         scored = method.loss(batch, logprobs, prepared, **extras)
         sums.add({"loss": scored.loss.item(), **scored.metrics})
     means, _ = sums.means_across(method.metric_names)
@@ -362,7 +377,7 @@ def train_preference(
             for batch in shard(window):
                 loss_fn = partial(_share_of_step, method, batch, method.prepare(batch), len(window))
                 scored = engine.forward_backward_custom(
-                    method.datums(batch), loss_fn, method.outputs, only_weighted=True
+                    method.datums(batch), loss_fn, method.outputs, scored_from=method.scored_from(batch)
                 )
                 sums.add(scored[1])
                 tokens += sum(train[i].tokens for i in batch)
