@@ -153,8 +153,9 @@ class Engine:
         scored_from: Sequence[int] | None = None,
     ) -> ForwardBackwardOutput:
         """Accumulate the gradient of the summed loss into the adapter; return the loss sum, logprobs and the
-        policy's per-token entropies. `scored_from` as in `forward`: every loss is 0 where the weights and
-        advantages are, so skipping positions that have neither changes neither the loss nor the gradient."""
+        policy's per-token entropies. `scored_from` as in `forward`, for positions before it whose weights,
+        advantages and kl_weights are all 0: every loss is 0 there, so skipping them changes neither the loss
+        nor the gradient."""
         if not self.trainable:
             raise GymError("the model has no trainable parameters: is the LoRA adapter attached?")
         self.model.train()
