@@ -113,12 +113,18 @@ def evaluate(
     for indices in micro_batches(lengths, list(range(len(mine))), micro_batch_size, pack_to):
         batch = [mine[i] for i in indices]
         datums = batch_datums(batch, 1.0, pad_to, pack_to is not None, pad_id)
-        for datum, logprobs in zip(datums, engine.forward(datums)):
+        for datum, logprobs in zip(datums, engine.forward(datums, scored_from=first_trained(datums))):
             weights = datum.loss_fn_inputs["weights"].data
             nll -= sum(lp for lp, w in zip(logprobs.tolist(), weights) if w)
             count += sum(1 for w in weights if w)
     nll, count = sum_across(nll, count)
     return nll / max(count, 1)
+
+
+def first_trained(datums: list[Datum]) -> list[int]:
+    """Each datum's first position of non-zero weight (0 when it has none): the engine's `scored_from`, so
+    that the output layer computes no logits over a leading prompt, whose loss weight is 0."""
+    return [next((i for i, w in enumerate(d.loss_fn_inputs["weights"].data) if w), 0) for d in datums]
 
 
 def _evaluation(
@@ -178,7 +184,8 @@ def train_sft(
                 datums = batch_datums(
                     [train[i] for i in batch], 1.0 / trained, pad_to, cfg.sample_packing, pad_id
                 )
-                window_nll += engine.forward_backward(datums, "cross_entropy").loss_sum * trained
+                scored = engine.forward_backward(datums, "cross_entropy", scored_from=first_trained(datums))
+                window_nll += scored.loss_sum * trained
                 window_tokens += sum(len(train[i]) for i in batch)
             window_nll, window_tokens = sum_across(window_nll, window_tokens)
             adam = adam_params(cfg, tail.step, total)
