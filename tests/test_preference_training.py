@@ -462,7 +462,10 @@ def test_loss_and_gradient_equal_trl_dpo_trainer(request, qwen3_tokenizer, tmp_p
         ).loss.item()
         return scored.loss, {}
 
-    our_loss, _ = engine.forward_backward_custom(method.datums(batch), loss_fn, method.outputs)
+    # as the training loop calls it: no logits over the prompts
+    our_loss, _ = engine.forward_backward_custom(
+        method.datums(batch), loss_fn, method.outputs, scored_from=method.scored_from(batch)
+    )
     our_grads = _grads(model)
 
     print(f"loss ours {our_loss:.8g} TRL {trl_loss.item():.8g} unweighted {captured['unweighted']:.8g}")
@@ -483,6 +486,23 @@ def test_loss_and_gradient_equal_trl_dpo_trainer(request, qwen3_tokenizer, tmp_p
         torch.testing.assert_close(
             our_grads[name], grad, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@pytest.mark.parametrize("rl", ["orpo", "simpo"])
+def test_orpo_and_simpo_score_what_their_losses_read(trl_dpo, qwen3_tokenizer, tmp_path, rl):
+    """Their losses from the loop's scoring (no logits before `scored_from`) equal those from scoring every
+    position: ORPO's chosen NLL runs over the prompt too, so its chosen sequences are scored whole."""
+    from hanzo_gym.engine import Engine
+    from hanzo_gym.loops.preference import PairMethod, evaluate
+
+    pairs = _our_pairs(qwen3_tokenizer, tmp_path)
+    model = trl_dpo.model
+    _random_lora_b(model, 3)
+    method = PairMethod(_preference_config(tmp_path, "x", rl=rl), Engine(model, qwen3_tokenizer), pairs)
+    batch = list(range(len(pairs)))
+    every, _ = method.engine.forward_with(method.datums(batch), ())
+    expected = method.loss(batch, every, method.prepare(batch)).loss.item()
+    assert evaluate(method, len(pairs))["eval/loss"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_reference_pass_equals_the_plain_base_model(trl_dpo, qwen3_tokenizer, tmp_path):
@@ -642,7 +662,9 @@ def test_kto_loss_kl_term_and_gradient_equal_trl_kto_trainer(trl_kto, qwen3_toke
         captured.update(scored.metrics)
         return scored.loss, {}
 
-    our_loss, _ = method.engine.forward_backward_custom(method.datums(order), loss_fn)
+    our_loss, _ = method.engine.forward_backward_custom(
+        method.datums(order), loss_fn, scored_from=method.scored_from(order)
+    )
     our_grads = _grads(model)
     assert our_loss == pytest.approx(trl_loss.item(), rel=1e-5)
     assert captured["kl"] == pytest.approx(trl_metrics["kl"], rel=1e-4, abs=1e-6)

@@ -113,9 +113,9 @@ class PairMethod:
         pairs = [self.items[i] for i in indices]
         # full fine-tuning has no adapter to disable: its reference is the weights before the first step
         reference = not self.engine.full_fine_tuning
-        datums = [d for p in pairs for d in pair_datums(p)]
-        starts = [completion_start(p.prompt) for p in pairs for _ in range(2)]
-        scored = self.engine.forward(datums, reference=reference, scored_from=starts)
+        scored = self.engine.forward(
+            self.datums(indices), reference=reference, scored_from=self.scored_from(indices)
+        )
         return [self._sums(scored[2 * j : 2 * j + 2], [pair])[:, 0] for j, pair in enumerate(pairs)]
 
     @staticmethod
@@ -136,12 +136,12 @@ class PairMethod:
     def scored_from(self, batch: Sequence[int]) -> list[int]:
         """Where the loss starts reading each datum: the completion; TRL's ORPO takes the chosen NLL over the
         whole chosen sequence, prompt included."""
-        chosen_from = (lambda prompt: 0) if self.cfg.rl == "orpo" else completion_start
-        return [
-            start
-            for i in batch
-            for start in (chosen_from(self.items[i].prompt), completion_start(self.items[i].prompt))
-        ]
+        whole_chosen = self.cfg.rl == "orpo"
+        starts = []
+        for i in batch:
+            start = completion_start(self.items[i].prompt)
+            starts += [0 if whole_chosen else start, start]
+        return starts
 
     def prepare(self, batch: Sequence[int]) -> torch.Tensor | None:
         """What the loss needs besides the policy's log-probs: the reference sums `[2, B]` (DPO, IPO)."""
@@ -167,6 +167,7 @@ class PairMethod:
                 chosen_nll=chosen_nll,
             )  # fmt: skip
         if cfg.rl == "orpo":
+            # TRL's ORPO takes the chosen NLL over the whole chosen sequence, prompt included (scored_from)
             whole = torch.cat([logprobs[2 * i] for i in range(len(pairs))])
             return pl.orpo_loss(*policy, *lengths, -whole.mean(), orpo_alpha=self.beta)
         terms = cfg.dpo_terms
