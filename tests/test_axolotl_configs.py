@@ -114,7 +114,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 78, loading
+    assert len(loading) >= 79, loading
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,8 @@ def test_most_text_model_lora_and_qlora_examples_load():
         "qwen3--8b-lora-fused-attn.yaml",  # Axolotl's fused RMSNorm + RoPE kernel, the old flash_attention key
         "LiquidAI--lfm2-350m-fft.yaml",  # full fine-tuning with bf16: true (mixed precision; fp32 in this test)
         "phi--phi-ft.yml",  # full fine-tuning, embeddings grown to a multiple of 32, reentrant checkpointing
-        "glm45--glm-45-air-qlora.yaml",  # QLoRA on an MoE model with its experts in NF4 (quantize_moe_experts)
+        "glm45--glm-45-air-qlora.yaml",
+        "llama-2--loftq.yml",  # LoftQ: the adapter started from the NF4 rounding error of the base  # QLoRA on an MoE model with its experts in NF4 (quantize_moe_experts)
         "devstral--devstral-small-qlora.yml",  # mistral-common's tokenizer and chat encoding, QLoRA
         # LoRA on Gemma 4's NF4 expert stacks (lora_target_parameters) and its text layers by a regex
         "gemma4--26b-a4b-moe-qlora.yaml",

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from peft import PeftModel
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
@@ -14,7 +13,7 @@ from hanzo_gym.files import publish_directory
 from hanzo_gym.loops.train import load_run_tokenizer
 from hanzo_gym.model.hub import load_causal_lm, resolve_model
 from hanzo_gym.model.loader_keys import fit_embeddings
-from hanzo_gym.model.lora import merged_model
+from hanzo_gym.model.lora import merged_model, open_adapter
 
 
 def adapter_directory(cfg: Config, checkpoint: str | None) -> Path:
@@ -51,7 +50,7 @@ def merged_from(cfg: Config, adapter_dir: str | Path) -> tuple[PreTrainedModel, 
     tokenizer = load_run_tokenizer(cfg)
     if cfg.tokens or cfg.resize_token_embeddings_to_32x:
         fit_embeddings(base, len(tokenizer), cfg)  # the rows the trained embeddings (modules_to_save) have
-    model = merged_model(PeftModel.from_pretrained(base, str(adapter_dir)))
+    model = merged_model(open_adapter(base, adapter_dir, trainable=False))
     return model, tokenizer
 
 

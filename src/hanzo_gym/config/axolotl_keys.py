@@ -105,7 +105,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("eaft_alpha", "entropy-adaptive fine-tuning (EAFT)"),
             ("eaft_k", "entropy-adaptive fine-tuning (EAFT)"),
             ("cls_model_config", "the classifier head of a reward model"),
-            ("peft", "PEFT initialisation options such as LoftQ"),
             ("torchdistx_path", "torchdistx's deferred initialisation"),
             ("tokenizer_use_fast", "choosing the slow or fast tokenizer"),
             ("tokenizer_legacy", "the tokenizer's legacy mode"),

@@ -34,6 +34,7 @@ from hanzo_gym.config.eval_keys import EvalKeys, check_eval_keys
 from hanzo_gym.config.kernel_keys import KernelKeys, check_kernel_keys
 from hanzo_gym.config.model_quantization_keys import ModelQuantizationKeys, check_model_quantization
 from hanzo_gym.config.parameter_patterns import ROW_RANGE, name_pattern
+from hanzo_gym.config.peft_keys import PeftKeys, check_peft_keys
 from hanzo_gym.config.preference_keys import (
     KTO_TYPES,
     PAIR_METHODS,
@@ -365,7 +366,7 @@ ATTENTION_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 HUB_KERNEL = r"[\w.-]+/[\w.-]+(@[\w.-]+)?(:\w+)?"  # transformers' `owner/repo[@revision][:function]`
 
 
-class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQuantizationKeys):
+class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQuantizationKeys, PeftKeys):
     base_model: str
     revision_of_model: str | None = None  # a branch, tag or commit of a hub base_model
     trust_remote_code: bool = False  # let transformers run the model repository's own Python code
@@ -740,6 +741,13 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQ
         check_vllm_keys(self.trl, self.vllm, self.rl)
         check_kernel_keys(self, self.adapter, self.attn_implementation)
         check_model_quantization(self, self.load_in_4bit, self.load_in_8bit)
+        check_peft_keys(
+            self,
+            self.adapter,
+            self.load_in_4bit or self.load_in_8bit,
+            self.trl.use_vllm,
+            bool(self.lora_target_parameters),
+        )
         check_run_shape_keys(self)  # lora_model_dir, the batching keys: config/run_shape_keys.py
         check_eval_keys(self)
         if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:

@@ -85,6 +85,14 @@ class ModelHost:
                     "which this server does not sample from yet (nor does vLLM): fold it into the base with "
                     "`gym merge` and serve the merged model"
                 )
+            if config.init_lora_weights == "loftq":
+                # Its base is rounded through NF4 / int8 (model/loftq.py); this host's base is shared unrounded.
+                raise ModelError(
+                    f"adapter `{name}` is a LoftQ adapter, trained over a base rounded to "
+                    f"{(config.loftq_config or {}).get('loftq_bits', 4)} bits, not over the full-precision base "
+                    "this server shares between adapters: fold it into the rounded base with `gym merge` and serve "
+                    "the merged model"
+                )
             try:
                 if isinstance(self.model, PeftModel):
                     self.model.add_adapter(name, config)

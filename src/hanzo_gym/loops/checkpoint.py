@@ -51,6 +51,7 @@ _WRITTEN_WHEN_SET = _FLAGS_WHEN_SET | {
     "bnb_config_kwargs",
     "tokens",
     "lora_target_parameters",
+    "loftq_bits",
 }
 
 
@@ -71,6 +72,7 @@ def adapter_fingerprint(cfg: Config) -> dict:
         **({"unfrozen_parameters": cfg.unfrozen_parameters} if cfg.unfrozen_parameters else {}),
         **({"bnb_config_kwargs": cfg.bnb_4bit_settings} if cfg.bnb_4bit_settings else {}),
         **({"tokens": cfg.tokens} if cfg.tokens else {}),
+        **({"loftq_bits": cfg.loftq_bits} if cfg.loftq_bits else {}),
         **(
             {"lora_target_parameters": sorted(cfg.lora_target_parameters)}
             if cfg.lora_target_parameters

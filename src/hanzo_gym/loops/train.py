@@ -53,6 +53,7 @@ from hanzo_gym.model.loader_keys import (
     fit_embeddings,
     skip_move_note,
 )
+from hanzo_gym.model.loftq import loftq_bits, start_loftq
 from hanzo_gym.model.lora import attach_lora, linear_module_names, load_trainable_lora, read_adapter_config
 from hanzo_gym.model.unfreeze import train_only_matching
 
@@ -71,7 +72,11 @@ def build_engine(
         # FlashAttention cannot run Gemma 4's global layers (head_dim 512) and one kernel serves all layers
         # here: sdpa, as kernel_notes says.
         attention, attention_note = "sdpa", None
-    notes = (attention_note, apply_tf32(cfg.tf32, device), skip_move_note(cfg.experimental_skip_move_to_device))
+    notes = (
+        attention_note,
+        apply_tf32(cfg.tf32, device),
+        skip_move_note(cfg.experimental_skip_move_to_device),
+    )
     for note in (*notes, *kernel_notes(cfg)):
         if note and is_main():
             print(note, flush=True)
@@ -144,6 +149,8 @@ def build_engine(
             cfg.lora_modules_to_save,
             cfg.lora_target_parameters,
         )
+        if cfg.loftq_bits:
+            start_loftq(peft_model, cfg.loftq_bits)
     # adapter_config.json's `revision`: the base it was trained on, as PEFT records it
     if cfg.revision_of_model:
         peft_model.peft_config["default"].revision = cfg.revision_of_model
@@ -185,10 +192,13 @@ def starting_adapter_note(cfg: Config, directory: Path, model: torch.nn.Module) 
             targets,
             saved_targets if isinstance(saved_targets, str) else sorted(saved_targets),
         ),
+        "peft.loftq_config.loftq_bits": (cfg.loftq_bits, loftq_bits(saved)),
     }
     written = cfg.model_fields_set | (
         {"lora_target_modules"} if "lora_target_linear" in cfg.model_fields_set else set()
     )
+    if cfg.peft is not None:
+        written |= {"peft.loftq_config.loftq_bits"}
     differ = [
         f"{key} {mine} (the adapter's: {theirs})"
         for key, (mine, theirs) in pairs.items()

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from hanzo_gym.errors import ModelError
+from hanzo_gym.model.loftq import loftq_bits, mark_loftq, round_base, without_loftq_start
 from hanzo_gym.model.parameter_lora import (
     repair_parameter_wrappers,
     resolve_target_parameters,
@@ -80,7 +81,7 @@ def attach_lora(
 def load_trainable_lora(model: PreTrainedModel, directory: str | Path, base_model_name: str) -> PeftModel:
     """Axolotl's `lora_model_dir`: wrap `model` with the adapter saved in `directory`, trainable, as Axolotl
     does (PeftModel.from_pretrained(..., is_trainable=True)). The directory's adapter_config.json governs the
-    adapter's shape (r, alpha, targets, dropout, rsLoRA), not the config's lora_* keys."""
+    adapter's shape (r, alpha, targets, dropout, rsLoRA, a LoftQ start), not the config's lora_* keys."""
     config = read_adapter_config(directory)  # a clear error for a directory that holds no LoRA adapter
     extras = [
         name
@@ -96,11 +97,7 @@ def load_trainable_lora(model: PreTrainedModel, directory: str | Path, base_mode
             "(vLLM refuses such adapters); start from a plain LoRA adapter"
         )
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            peft_model = PeftModel.from_pretrained(
-                model, str(directory), is_trainable=True, autocast_adapter_dtype=True
-            )
+        peft_model = open_adapter(model, directory, trainable=True)
     except (ValueError, KeyError, RuntimeError) as exc:
         raise ModelError(
             f"lora_model_dir {directory}: the adapter does not fit base_model `{base_model_name}` ({exc})"
@@ -108,6 +105,26 @@ def load_trainable_lora(model: PreTrainedModel, directory: str | Path, base_mode
     repair_parameter_wrappers(peft_model)
     keep_adapter_fp32(peft_model)
     peft_model.peft_config["default"].base_model_name_or_path = base_model_name
+    return peft_model
+
+
+def open_adapter(model: PreTrainedModel, directory: str | Path, trainable: bool) -> PeftModel:
+    """PEFT's from_pretrained, but a LoftQ adapter's base is rounded here, as PEFT rounds it on a GPU (its own
+    rounding needs CUDA): the adapter applies to the base it was trained on."""
+    config = read_adapter_config(directory)
+    bits = loftq_bits(config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = PeftModel.from_pretrained(
+            model,
+            str(directory),
+            is_trainable=trainable,
+            autocast_adapter_dtype=True,
+            config=without_loftq_start(config) if bits else None,
+        )
+    if bits:
+        round_base(peft_model, bits)
+        mark_loftq(peft_model.peft_config["default"], bits)
     return peft_model
 
 
