@@ -172,6 +172,13 @@ def tiny_gemma4_moe_base(tmp_path_factory, qwen3_tokenizer) -> Path:
     return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-gemma4-moe"), qwen3_tokenizer, kind="gemma4_moe")
 
 
+@pytest.fixture(scope="session")
+def tiny_llama4_base(tmp_path_factory, qwen3_tokenizer) -> Path:
+    """A tiny random Llama 4 text model (experts stacked, as Meta's checkpoints hold them) with the real Qwen3
+    tokenizer."""
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-llama4"), qwen3_tokenizer, kind="llama4")
+
+
 @pytest.fixture(scope="module")
 def model_cache(converted_real_model):
     """The converted real model as the default cache, for code (vLLM runs, subprocesses) that finds it there."""
@@ -188,7 +195,10 @@ def tiny_gpt_oss_mxfp4(tmp_path_factory, qwen3_tokenizer) -> SimpleNamespace:
 
     directory = tmp_path_factory.mktemp("tiny-gpt-oss-mxfp4")
     values = save_mxfp4_gpt_oss(
-        directory, vocab_size=len(qwen3_tokenizer), eos_token_id=qwen3_tokenizer.eos_token_id, pad_token_id=None
+        directory,
+        vocab_size=len(qwen3_tokenizer),
+        eos_token_id=qwen3_tokenizer.eos_token_id,
+        pad_token_id=None,
     )
     qwen3_tokenizer.save_pretrained(directory)
     return SimpleNamespace(path=directory, expert_values=values)

@@ -114,7 +114,7 @@ def test_each_config_loads_or_names_exactly_the_features_not_there_yet(name, tmp
 
 def test_most_text_model_lora_and_qlora_examples_load():
     loading = [name for name, refused in EXPECTED.items() if not refused]
-    assert len(loading) >= 79, loading
+    assert len(loading) >= 81, loading
 
 
 TRAINED_IN_THE_FAST_SUITE = [
@@ -140,6 +140,9 @@ TRAINED_IN_THE_FAST_SUITE = [
     "gemma4--26b-a4b-moe-bnb-lora.yaml",
     # gpt-oss's MXFP4 experts dequantized as they load, a FlashAttention kernel on the Hub, field_thinking
     "gpt-oss--gpt-oss-20b-sft-lora-singlegpu.yaml",
+    # Llama 4's routed experts as linear layers, quantized to NF4 with the rest of the base (Meta's stacked layout)
+    "llama-4--do-no-use-fa2--scout-qlora-single-h100.yaml",
+    "llama-4--scout-qlora-single-h100-flex.yaml",  # and flex attention (sdpa on a CPU, which it says)
 ]
 LOADING = [name for name in NAMES if not EXPECTED[name]]
 
@@ -157,7 +160,15 @@ LOADING = [name for name in NAMES if not EXPECTED[name]]
     ],
 )
 def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_changed(
-    name, tmp_path, tiny_base, tiny_moe_base, tiny_gemma4_moe_base, tiny_gpt_oss_mxfp4, tiny_mistral, capsys
+    name,
+    tmp_path,
+    tiny_base,
+    tiny_moe_base,
+    tiny_gemma4_moe_base,
+    tiny_gpt_oss_mxfp4,
+    tiny_mistral,
+    tiny_llama4_base,
+    capsys,
 ):
     assert not EXPECTED[name]
     text = (CONFIGS / name).read_text()
@@ -168,6 +179,8 @@ def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_ch
         base = tiny_gemma4_moe_base  # a multimodal class whose text layers are `model.language_model.layers`
     if name.startswith("gpt-oss--"):
         base = tiny_gpt_oss_mxfp4.path
+    if name.startswith("llama-4--"):
+        base = tiny_llama4_base
     data = _with_local_paths(name, tmp_path, str(base))
     for key in OTHER_MODEL_KEYS:
         data.pop(key, None)

@@ -43,6 +43,40 @@ def test_a_flash_kernel_falls_back_to_sdpa_where_it_cannot_run(monkeypatch):
     assert loader_keys.attention_kernel("flash_attention_2", cuda) == ("flash_attention_2", None)
 
 
+def test_flex_attention_runs_on_cuda_and_falls_back_where_it_has_no_backward():
+    kernel, note = loader_keys.attention_kernel("flex_attention", torch.device("cpu"))
+    assert kernel is None and "no backward pass on cpu; using sdpa" in note
+    assert loader_keys.attention_kernel("flex_attention", torch.device("cuda")) == ("flex_attention", None)
+
+
+def test_flex_attn_compile_kwargs_reach_the_compile_transformers_runs(monkeypatch):
+    """transformers compiles FlexAttention through its WrappedFlexAttention, once per process; after
+    compile_flex_attention_with, what it calls is torch.compile(flex_attention, **the config's arguments)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as integration
+
+    monkeypatch.setattr(integration, "WrappedFlexAttention", integration.WrappedFlexAttention)  # restored after
+    calls = []
+
+    def recording_compile(function, **arguments):
+        calls.append((function, arguments))
+        return function
+
+    monkeypatch.setattr(loader_keys.torch, "compile", recording_compile)
+    loader_keys.compile_flex_attention_with({"dynamic": False, "mode": "max-autotune-no-cudagraphs"})
+    compiled = integration.WrappedFlexAttention(True)()
+    assert integration.WrappedFlexAttention(False)() is compiled  # one compile, for training and eval alike
+    assert calls == [(flex_attention, {"dynamic": False, "mode": "max-autotune-no-cudagraphs"})]
+
+
+def test_the_multimodal_class_of_a_text_config_names_its_text_model():
+    from tiny_models import tiny_model
+
+    loader_keys.check_loader_class("model_type", "Llama4ForConditionalGeneration", tiny_model("llama4"), "m")
+    with pytest.raises(ModelError, match="loads as Llama4ForCausalLM"):
+        loader_keys.check_loader_class("model_type", "Gemma3ForConditionalGeneration", tiny_model("llama4"), "m")
+
+
 def test_tf32_sets_cudas_switches_and_says_when_it_cannot(monkeypatch):
     assert loader_keys.apply_tf32(None, torch.device("cpu")) is None
     assert loader_keys.apply_tf32(False, torch.device("cpu")) is None  # off: what a CPU does anyway

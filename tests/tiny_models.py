@@ -57,6 +57,19 @@ def tiny_config(kind: str = "llama", **overrides):
             **common,
         )
         return Gemma4Config(text_config=text)
+    if kind == "llama4":  # Llama 4's text model, every layer an MoE block of four experts and a shared one
+        from transformers import Llama4TextConfig
+
+        common.update(intermediate_size=32)
+        return Llama4TextConfig(
+            head_dim=8,
+            intermediate_size_mlp=64,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=1,
+            attention_chunk_size=64,
+            **common,
+        )
     if kind == "gpt_oss":  # sides of 32 and more: MXFP4 stores blocks of 32 values
         from transformers import GptOssConfig
 

@@ -12,6 +12,7 @@ from hanzo_gym.errors import GymError
 from hanzo_gym.files import publish_directory
 from hanzo_gym.loops.train import load_run_tokenizer
 from hanzo_gym.model.hub import load_causal_lm, resolve_model
+from hanzo_gym.model.llama4_experts import delinearized
 from hanzo_gym.model.loader_keys import fit_embeddings
 from hanzo_gym.model.lora import merged_model, open_adapter
 
@@ -45,12 +46,17 @@ def merged_from(cfg: Config, adapter_dir: str | Path) -> tuple[PreTrainedModel, 
     )
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
     base = load_causal_lm(
-        cfg.base_model, dtype, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision_of_model
+        cfg.base_model,
+        dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        revision=cfg.revision_of_model,
+        linearized_llama4_experts=cfg.llama4_linearized_experts,
     )
     tokenizer = load_run_tokenizer(cfg)
     if cfg.tokens or cfg.resize_token_embeddings_to_32x:
         fit_embeddings(base, len(tokenizer), cfg)  # the rows the trained embeddings (modules_to_save) have
     model = merged_model(open_adapter(base, adapter_dir, trainable=False))
+    delinearized(model)  # Llama 4's experts written stacked, as every loader of the model reads them
     return model, tokenizer
 
 

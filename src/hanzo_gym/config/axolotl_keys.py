@@ -94,7 +94,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("evaluation_strategy", "HF's evaluation strategy"),
             ("model_config", "overrides of the model's config"),
             ("local_rank", "the process's GPU index (set by the launcher)"),
-            ("llama4_linearized_experts", "Llama 4's linearized expert layers"),
             ("flash_attn_cross_entropy", "FlashAttention's cross-entropy kernel"),
             ("flash_attn_rms_norm", "FlashAttention's RMSNorm kernel"),
             ("accelerator_config", "Accelerate's settings"),
@@ -126,7 +125,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("gptq_groupsize", "a GPTQ-quantized base model"),
             ("gptq_model_v1", "a GPTQ-quantized base model"),
             ("float16", "loading the model in float16"),
-            ("flex_attn_compile_kwargs", "torch.compile settings of flex attention"),
             ("flash_optimum", "BetterTransformer attention"),
             ("max_packed_sequence_len", "the old packing length (use `sequence_len`)"),
             ("trl.generation_kwargs", "extra vLLM sampling parameters"),
@@ -146,9 +144,6 @@ VALUES_NOT_YET: dict[tuple[str, Any], str] = {
     ("activation_offloading", "disk"): (
         "Axolotl's `activation_offloading: disk` (activations kept on disk) is not supported yet; use "
         "`activation_offloading: true` (host memory)"
-    ),
-    ("attn_implementation", "flex_attention"): (
-        "Axolotl's `attn_implementation: flex_attention` (torch's flex attention) is not supported yet; use sdpa"
     ),
 }
 

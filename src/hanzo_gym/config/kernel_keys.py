@@ -10,7 +10,7 @@ that changes the result (a loss of its own, token scaling) is refused by name.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -80,6 +80,11 @@ class KernelKeys(BaseModel):
     torch_compile: bool | Literal["auto"] | None = None
     torch_compile_backend: str | None = None
     torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = None
+    # the arguments torch.compile compiles FlexAttention with (attn_implementation: flex_attention)
+    flex_attn_compile_kwargs: dict[str, Any] | None = None
+
+
+TORCH_COMPILE_ARGUMENTS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 
 
 def check_kernel_keys(cfg: KernelKeys, adapter: str | None, attn_implementation: str | None) -> None:
@@ -94,6 +99,18 @@ def check_kernel_keys(cfg: KernelKeys, adapter: str | None, attn_implementation:
         if getattr(cfg, key) and not cfg.torch_compile:
             raise ValueError(
                 f"{key} says how torch_compile compiles, and torch_compile is not set: set it or remove {key}"
+            )
+    if cfg.flex_attn_compile_kwargs:
+        if attn_implementation != "flex_attention":
+            raise ValueError(
+                "flex_attn_compile_kwargs says how FlexAttention is compiled, and attn_implementation is "
+                f"{attn_implementation}, not flex_attention: set it or remove flex_attn_compile_kwargs"
+            )
+        unknown = sorted(set(cfg.flex_attn_compile_kwargs) - set(TORCH_COMPILE_ARGUMENTS))
+        if unknown:
+            raise ValueError(
+                f"flex_attn_compile_kwargs: {', '.join(unknown)} are not arguments of torch.compile "
+                f"({', '.join(TORCH_COMPILE_ARGUMENTS)})"
             )
     if cfg.gemma4_hybrid_attn_impl and attn_implementation not in (None, "flash_attention_2"):
         raise ValueError(

@@ -362,7 +362,7 @@ class CheckpointingKwargs(_Strict):
 
 # The mixins' keys sit at the top level, as in Axolotl: config/preference_keys.py, tracking.py, kernel_keys.py,
 # eval_keys.py.
-ATTENTION_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+ATTENTION_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 HUB_KERNEL = r"[\w.-]+/[\w.-]+(@[\w.-]+)?(:\w+)?"  # transformers' `owner/repo[@revision][:function]`
 
 
@@ -408,6 +408,8 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQ
     resize_token_embeddings_to_32x: bool = False  # Axolotl's: grow the embeddings to a multiple of 32 rows
     tokens: list[str] | None = None  # added to the vocabulary (their embeddings must train)
     quantize_moe_experts: bool = False  # an MoE model's stacked expert weights in NF4 / int8 too
+    # Llama 4's routed experts as one linear layer per expert and projection (model/llama4_experts.py)
+    llama4_linearized_experts: bool = False
     bnb_config_kwargs: BnbConfigKwargs | None = None
     # full fine-tuning of only the parameters these name patterns match (model/unfreeze.py)
     unfrozen_parameters: list[str] | None = None
@@ -702,6 +704,16 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQ
                     "lora_target_linear does not go with quantize_moe_experts (Axolotl refuses it too); name the "
                     "modules in lora_target_modules"
                 )
+        if self.llama4_linearized_experts and self.quantize_moe_experts:
+            raise ValueError(
+                "llama4_linearized_experts makes Llama 4's experts linear layers, which load_in_4bit / load_in_8bit "
+                "quantize already; remove quantize_moe_experts"
+            )
+        if self.llama4_linearized_experts and self.trl.use_vllm:
+            raise ValueError(
+                "llama4_linearized_experts with trl.use_vllm: vLLM loads Llama 4's experts stacked, not as the linear "
+                "layers this run trains over; sample on the training engine (remove use_vllm)"
+            )
         if self.bnb_config_kwargs is not None and not self.load_in_4bit:
             raise ValueError(
                 "bnb_config_kwargs sets how a 4-bit base is quantized; it needs load_in_4bit (`adapter: qlora`)"

@@ -28,6 +28,7 @@ from hanzo_gym.engine.row_buckets import bucket_length, pads_rows
 from hanzo_gym.engine.sampling import sample_groups
 from hanzo_gym.engine.token_logprobs import token_logprobs, token_logprobs_with_log_sum_sq
 from hanzo_gym.errors import GymError
+from hanzo_gym.model.decoder import decoder_of
 from hanzo_gym.model.lora import adapter_weights, set_adapter_weights
 from hanzo_gym.records import AdamParams, Datum, SampledSequence, SamplingParams, TensorData
 
@@ -92,7 +93,7 @@ class Engine:
         ]
         if scaled:
             raise GymError(f"{config.model_type}: output logits with `{scaled[0]}` are not supported yet")
-        self._decoder = causal_lm.get_decoder()
+        self._decoder = decoder_of(causal_lm)
         self._causal_lm = causal_lm
         self.packs_datums = self._pads_rows = False  # the check below scores on the plain path
         self.packs_datums = self._packing_is_exact()
@@ -506,7 +507,7 @@ def mixed_precision_dtype(model: torch.nn.Module) -> torch.dtype | None:
     kernels pick their dtype) and for an fp32 one."""
     if not isinstance(model, PeftModel) or getattr(model.get_base_model(), "is_quantized", False):
         return None
-    decoder = model.get_base_model().get_decoder()
+    decoder = decoder_of(model.get_base_model())
     base = next(
         (p.dtype for p in decoder.parameters() if p.is_floating_point() and not p.requires_grad), None
     )

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hanzo_gym.model.decoder import decoder_of
+
 CHUNK_BYTES = 16 << 20  # one fp32 `[positions, vocab]` buffer; a chunk holds two at a time
 MIN_CHUNK, MAX_CHUNK = 64, 1024
 
@@ -114,7 +116,7 @@ def plain_output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
         for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
     )
     if isinstance(head, torch.nn.Linear) and head.bias is None and not scaled:
-        return causal_lm.get_decoder(), head
+        return decoder_of(causal_lm), head
     return None
 
 

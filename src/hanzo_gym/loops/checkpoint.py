@@ -43,7 +43,14 @@ class TrainerPosition:
 # Fingerprint keys written only when set, so that checkpoints from before they existed still resume; a
 # checkpoint that has one must still be refused by a run without it.
 _FLAGS_WHEN_SET = frozenset(
-    {"load_in_4bit", "load_in_8bit", "peft_use_rslora", "full_fine_tuning", "quantize_moe_experts"}
+    {
+        "load_in_4bit",
+        "load_in_8bit",
+        "peft_use_rslora",
+        "full_fine_tuning",
+        "quantize_moe_experts",
+        "llama4_linearized_experts",
+    }
 )
 _WRITTEN_WHEN_SET = _FLAGS_WHEN_SET | {
     "revision_of_model",
@@ -68,6 +75,7 @@ def adapter_fingerprint(cfg: Config) -> dict:
         **({"peft_use_rslora": True} if cfg.peft_use_rslora else {}),
         **({"full_fine_tuning": True} if cfg.full_fine_tuning else {}),
         **({"quantize_moe_experts": True} if cfg.quantize_moe_experts else {}),
+        **({"llama4_linearized_experts": True} if cfg.llama4_linearized_experts else {}),
         **({"revision_of_model": cfg.revision_of_model} if cfg.revision_of_model else {}),
         **({"unfrozen_parameters": cfg.unfrozen_parameters} if cfg.unfrozen_parameters else {}),
         **({"bnb_config_kwargs": cfg.bnb_4bit_settings} if cfg.bnb_4bit_settings else {}),

@@ -49,6 +49,7 @@ from hanzo_gym.model.loader_keys import (
     apply_tf32,
     attention_kernel,
     check_loader_class,
+    compile_flex_attention_with,
     enable_checkpointing,
     fit_embeddings,
     skip_move_note,
@@ -72,6 +73,8 @@ def build_engine(
         # FlashAttention cannot run Gemma 4's global layers (head_dim 512) and one kernel serves all layers
         # here: sdpa, as kernel_notes says.
         attention, attention_note = "sdpa", None
+    if attention == "flex_attention" and cfg.flex_attn_compile_kwargs:
+        compile_flex_attention_with(cfg.flex_attn_compile_kwargs)
     notes = (
         attention_note,
         apply_tf32(cfg.tf32, device),
@@ -93,6 +96,7 @@ def build_engine(
         bnb_4bit=cfg.bnb_4bit_settings,
         experts_implementation=transformers_experts_implementation(cfg),
         mxfp4=model_quantization(cfg),
+        linearized_llama4_experts=cfg.llama4_linearized_experts,
     )
     check_loader_class("model_type", cfg.model_type, model, cfg.base_model)
     if cfg.load_in_4bit or cfg.load_in_8bit:

@@ -36,6 +36,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from hanzo_gym.errors import ModelError
 from hanzo_gym.model.host_memory import return_large_frees_to_the_system
 from hanzo_gym.model.lean_load import reading_tensors_by_pread
+from hanzo_gym.model.llama4_experts import (
+    is_linearized_checkpoint,
+    linearize_experts,
+    loading_linearized_experts,
+)
 from hanzo_gym.model.moe_quant import quantizing_experts_on_load
 
 logger = logging.getLogger(__name__)
@@ -283,6 +288,7 @@ def load_causal_lm(
     bnb_4bit: dict | None = None,
     experts_implementation: str | None = None,
     mxfp4: dict | None = None,
+    linearized_llama4_experts: bool = False,
 ) -> transformers.PreTrainedModel:
     """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
     linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; with `load_in_8bit`
@@ -296,7 +302,9 @@ def load_causal_lm(
     settings (Axolotl's `bnb_config_kwargs`: `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`).
     `experts_implementation` picks how an MoE layer runs its experts (transformers' default when None). `mxfp4`
     (Axolotl's `model_quantization_config: Mxfp4Config` and its kwargs) reads an MXFP4 checkpoint (gpt-oss's),
-    dequantizing its experts to `dtype` as they load."""
+    dequantizing its experts to `dtype` as they load. `linearized_llama4_experts` (Axolotl's
+    `llama4_linearized_experts`) gives Llama 4's routed experts one linear layer per expert and projection, which a
+    4- or 8-bit base then holds quantized (model/llama4_experts.py)."""
     model_dir = resolve_model(base_model, trust_remote_code, revision)
     _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
     return_large_frees_to_the_system()  # from the load on: its converted tensors' buffers, then each step's
@@ -315,14 +323,19 @@ def load_causal_lm(
         )
         if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
             placement["device_map"] = {"": str(device)}
+    linearized_layout = linearized_llama4_experts and _linearized_llama4(base_model, model_dir)
     try:
         with (
             quantizing_experts_on_load(4 if load_in_4bit else 8)
             if quantize_moe_experts
             else contextlib.nullcontext([]) as experts,
             reading_tensors_by_pread(model_dir, dtype),
+            loading_linearized_experts() if linearized_layout else contextlib.nullcontext(),
         ):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement)
+        if linearized_llama4_experts and not linearized_layout:
+            settings = placement.get("quantization_config")
+            linearize_experts(model, _expert_quantization(settings, dtype) if quantized else None)
         if quantize_moe_experts and not experts:
             raise ModelError(
                 f"quantize_moe_experts: base_model `{base_model}` has no stacked MoE expert weights (3-D "
@@ -342,6 +355,27 @@ def load_causal_lm(
             f"could not load the weights of base_model `{base_model}` from {model_dir}: {error}. "
             "The directory needs config.json plus model.safetensors (or sharded *.safetensors with an index)."
         ) from error
+
+
+def _linearized_llama4(base_model: str, model_dir: Path) -> bool:
+    """Whether a Llama 4 checkpoint is in Axolotl's linearized layout; ModelError for another model."""
+    if _read_model_config(base_model, model_dir).get("model_type") not in ("llama4", "llama4_text"):
+        raise ModelError(
+            f"llama4_linearized_experts: base_model `{base_model}` is not a Llama 4 model; remove the key"
+        )
+    return is_linearized_checkpoint(model_dir)
+
+
+def _expert_quantization(settings: transformers.BitsAndBytesConfig, dtype: torch.dtype) -> dict:
+    """The bitsandbytes settings the base's linear layers loaded with, for expert layers made after the load."""
+    if settings.load_in_8bit:
+        return {"bits": 8}
+    return {
+        "bits": 4,
+        "compute_dtype": dtype,
+        "quant_type": settings.bnb_4bit_quant_type,
+        "double_quant": settings.bnb_4bit_use_double_quant,
+    }
 
 
 def _check_mxfp4_checkpoint(base_model: str, model_dir: Path) -> None:

@@ -23,6 +23,10 @@ FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash
 def _same_class(wanted: str, loaded: type) -> bool:
     # transformers 5 has one tokenizer class per model, `…Fast` kept as an alias of it
     names = {klass.__name__.removesuffix("Fast") for klass in loaded.__mro__}
+    if wanted.endswith("ForConditionalGeneration") and loaded.__name__.endswith("ForCausalLM"):
+        # a multimodal class (Llama4ForConditionalGeneration) whose checkpoint AutoModelForCausalLM loads as the
+        # same family's text model: the text-only training Axolotl's text examples do with it
+        return wanted.removesuffix("ForConditionalGeneration") == loaded.__name__.removesuffix("ForCausalLM")
     return wanted.removesuffix("Fast") in names
 
 
@@ -44,6 +48,9 @@ def attention_kernel(requested: str | None, device: torch.device) -> tuple[str |
     package), needs its package and a CUDA device; where either is missing the model loads with transformers'
     default kernel: sdpa (the same attention, computed by torch), or eager for a model sdpa cannot run (gpt-oss's
     attention sinks)."""
+    if requested == "flex_attention" and device.type != "cuda":
+        note = f"torch's FlexAttention has no backward pass on {device.type}; using {DEFAULT_ATTENTION}"
+        return None, f"attn_implementation: flex_attention: {note}"
     hub_kernel = (
         requested is not None and "/" in requested
     )  # run by the `kernels` package, fetched from the Hub
@@ -61,6 +68,26 @@ def attention_kernel(requested: str | None, device: torch.device) -> tuple[str |
             f"attn_implementation: {requested} needs the `{package}` package, not installed; using {DEFAULT_ATTENTION}",
         )
     return requested, None
+
+
+def compile_flex_attention_with(arguments: dict) -> None:
+    """Axolotl's `flex_attn_compile_kwargs`: transformers compiles FlexAttention once per process, with
+    torch.compile's defaults; from here on it compiles it with these arguments (Axolotl's patch of the same
+    wrapper, which Axolotl applies under torch 2.6 only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as integration
+
+    class CompiledWithArguments(integration.WrappedFlexAttention):
+        _compiled: object = None
+
+        def __init__(self, training: bool) -> None:
+            if CompiledWithArguments._compiled is None:
+                CompiledWithArguments._compiled = torch.compile(flex_attention, **arguments)
+
+        def __call__(self) -> object:
+            return CompiledWithArguments._compiled
+
+    integration.WrappedFlexAttention = CompiledWithArguments
 
 
 def skip_move_note(skip_move: bool | None) -> str | None:

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from hanzo_gym.errors import ModelError
+from hanzo_gym.model.decoder import decoder_of
 from hanzo_gym.model.loftq import loftq_bits, mark_loftq, round_base, without_loftq_start
 from hanzo_gym.model.parameter_lora import (
     repair_parameter_wrappers,
@@ -138,7 +139,7 @@ def keep_adapter_fp32(model: torch.nn.Module) -> None:
             if parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != torch.float32:
                 parameter.data = parameter.data.float()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layer_dtype = next((p.dtype for p in base.get_decoder().parameters() if p.is_floating_point()), None)
+    layer_dtype = next((p.dtype for p in decoder_of(base).parameters() if p.is_floating_point()), None)
     if layer_dtype in (None, torch.float32):
         return
     for wrapper in (base.get_input_embeddings(), base.get_output_embeddings()):
