@@ -93,9 +93,8 @@ def test_a_model_that_is_not_llama4_is_refused(tiny_base):
 
 
 def test_the_context_restores_transformers_layer():
-    from transformers.models.llama4 import modeling_llama4
-
     from tiny_models import tiny_config
+    from transformers.models.llama4 import modeling_llama4
 
     config = tiny_config("llama4")
     with loading_linearized_experts():
