@@ -1,8 +1,11 @@
 """LoRA SFT throughput and memory: TRL's SFTTrainer against hanzo-gym's SFT loop on the same workload, each in
 fp32 and in bf16, side by side in one run.
 
-    python bench/sft_vs_trl.py [--steps N] [--rows 256] [--batch 8] [--max-length 512]
+    python bench/sft_vs_trl.py [--steps N] [--rows 256] [--batch 8] [--max-length 512] [--full]
                                [--sides trl-fp32,trl-bf16,ours-fp32,ours-bf16] [--peak-seconds 1]
+
+`--full`: full fine-tuning on both sides (every weight trains: TRL without a peft_config, ours without an
+`adapter`) instead of LoRA; utilisation then counts 6 × the weights per token (the weight gradients too).
 
 Each side runs in its own subprocess, so the peak RSS it reports is its own. Steps 2..N are timed (step 1 is
 warm-up) and tokens/s counts the non-pad tokens of those steps. TRL's bf16 is its own `bf16=True` (autocast over
@@ -60,7 +63,14 @@ def timed_window(step_end_times: list[float], step_tokens: list[int]) -> tuple[i
 
 
 def run_trl(
-    model_dir: str, data_path: str, work_dir: str, steps: int, batch: int, max_length: int, bf16: bool
+    model_dir: str,
+    data_path: str,
+    work_dir: str,
+    steps: int,
+    batch: int,
+    max_length: int,
+    full: bool,
+    bf16: bool,
 ) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
@@ -103,7 +113,7 @@ def run_trl(
         model=model_dir,
         args=args,
         train_dataset=Dataset.from_list(rows),
-        peft_config=peft_config,
+        peft_config=None if full else peft_config,
         callbacks=[StepClock()],
     )
     model = trainer.model
@@ -139,7 +149,14 @@ def run_trl(
 
 
 def run_ours(
-    model_dir: str, data_path: str, work_dir: str, steps: int, batch: int, max_length: int, bf16: bool
+    model_dir: str,
+    data_path: str,
+    work_dir: str,
+    steps: int,
+    batch: int,
+    max_length: int,
+    full: bool,
+    bf16: bool,
 ) -> dict:
     import torch
 
@@ -150,19 +167,16 @@ def run_ours(
     from hanzo_gym.loops.train import build_engine
     from hanzo_gym.model.hub import load_tokenizer
 
+    lora = {"adapter": "lora", "lora_r": LORA_R, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0}
     cfg = parse_config(
         {
+            **({} if full else {**lora, "lora_target_linear": True}),
             "base_model": model_dir,
             "datasets": [{"path": data_path, "type": "chat_template"}],
             "val_set_size": 0,
             "output_dir": work_dir,
             "sequence_len": max_length,
             "train_on_inputs": True,  # TRL's default for a `messages` dataset: loss on every token
-            "adapter": "lora",
-            "lora_r": LORA_R,
-            "lora_alpha": LORA_ALPHA,
-            "lora_dropout": 0.0,
-            "lora_target_linear": True,
             "micro_batch_size": batch,
             "gradient_accumulation_steps": 1,
             "learning_rate": LEARNING_RATE,
@@ -194,7 +208,11 @@ def run_ours(
         "loaded_rss_bytes": loaded_rss,
         "dataset_tokens": sum(len(e) for e in train),
         "trained_tokens": sum(e.trained_tokens for e in train),
-        "precision": f"base {'/'.join(sorted(base_dtypes))}, LoRA + AdamW {'/'.join(sorted(adapter_dtypes))}",
+        "precision": (
+            f"weights + AdamW {'/'.join(sorted(adapter_dtypes))}" + (", bf16 autocast" if bf16 else "")
+            if full
+            else f"base {'/'.join(sorted(base_dtypes))}, LoRA + AdamW {'/'.join(sorted(adapter_dtypes))}"
+        ),
         "peak_dtype": "bf16" if bf16 else "fp32",
     }
 
@@ -203,16 +221,17 @@ SIDES = precision_sides(run_trl, run_ours)
 NAMES = SIDE_NAMES
 
 
-def model_flops_per_token(model_dir: str) -> int:
+def model_flops_per_token(model_dir: str, full: bool) -> int:
     """4 × the weights of the linear layers (the output projection included, once even when tied): 2 per
-    weight forward, 2 for the gradient to the layer's input; frozen weights get no weight gradient."""
+    weight forward, 2 for the gradient to the layer's input; frozen weights get no weight gradient, trained
+    ones (`full`) 2 more."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    return 4 * sum(weights.values())
+    return (6 if full else 4) * sum(weights.values())
 
 
 def print_report(
@@ -224,8 +243,9 @@ def print_report(
     def gigabytes(side: dict) -> float:
         return side["peak_rss_bytes"] / 1e9
 
+    method = "full fine-tuning" if opts.full else f"LoRA r={LORA_R} alpha {LORA_ALPHA} all-linear"
     print(
-        f"workload: SmolLM2-135M-Instruct (GGUF → fp32 on disk), LoRA r={LORA_R} alpha {LORA_ALPHA} all-linear, "
+        f"workload: SmolLM2-135M-Instruct (GGUF → fp32 on disk), {method}, "
         f"{opts.rows} rows, batch {opts.batch}, max_length {opts.max_length}, lr {LEARNING_RATE}, CPU, "
         f"steps 2..{opts.steps} timed"
     )
@@ -255,9 +275,12 @@ def print_report(
     def ratio(ours: str, theirs: str, what: str, speed_target: float, memory_target: float) -> None:
         if ours in results and theirs in results:
             a, b = results[ours], results[theirs]
+            # the targets are issue 16's, for LoRA; full fine-tuning has none
+            speed = "" if opts.full else f" (target ≥ {speed_target}x)"
+            memory = "" if opts.full else f" (target ≤ {memory_target}x)"
             print(
-                f"{NAMES[ours]} / {what}: {per_second(a) / per_second(b):.2f}x tokens/s (target ≥ "
-                f"{speed_target}x), {gigabytes(a) / gigabytes(b):.2f}x peak RSS (target ≤ {memory_target}x)"
+                f"{NAMES[ours]} / {what}: {per_second(a) / per_second(b):.2f}x tokens/s{speed}, "
+                f"{gigabytes(a) / gigabytes(b):.2f}x peak RSS{memory}"
             )
 
     ratio("ours-fp32", "trl-fp32", "TRL fp32", TARGET_SPEEDUP, TARGET_MEMORY)
@@ -293,6 +316,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--full", action="store_true", help="full fine-tuning on both sides instead of LoRA")
     parser.add_argument(
         "--sides", default=",".join(SIDES), help=f"which sides to run, in order (default: {','.join(SIDES)})"
     )
@@ -311,15 +335,21 @@ def main() -> None:
         finish_side(
             opts,
             lambda: SIDES[opts.side](
-                opts.model_dir, opts.data, opts.work_dir, opts.steps, opts.batch, opts.max_length
+                opts.model_dir, opts.data, opts.work_dir, opts.steps, opts.batch, opts.max_length, opts.full
             ),
         )
         return
-    forwarded = ["--batch", str(opts.batch), "--max-length", str(opts.max_length)]
+    forwarded = [
+        "--batch",
+        str(opts.batch),
+        "--max-length",
+        str(opts.max_length),
+        *(["--full"] if opts.full else []),
+    ]
     results, load_at_start = run_sides(__file__, sides, synthetic_rows(opts.rows), opts.steps, forwarded)
     from hanzo_gym.model.hub import real_model_gguf, resolve_model
 
-    flops_per_token = model_flops_per_token(str(resolve_model(str(real_model_gguf()))))
+    flops_per_token = model_flops_per_token(str(resolve_model(str(real_model_gguf()))), opts.full)
     peak = None
     if opts.peak_seconds > 0:
         from matmul_peak import measure, peaks

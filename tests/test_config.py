@@ -306,10 +306,15 @@ def test_known_axolotl_keys_name_their_feature_never_another_key(tmp_path, extra
 def test_did_you_mean_only_for_close_misspellings(tmp_path):
     assert "did you mean `lr_scheduler`?" in _error(tmp_path, BASE + "lr_schedular: cosine\n")
     assert "did you mean `micro_batch_size`?" in _error(tmp_path, BASE + "micro_batchsize: 2\n")
-    message = _error(tmp_path, BASE + "adam_eps: 1.0e-6\n")  # not a key anywhere, and far from every key
+    # a shortening of one key (Axolotl's GPTQ example writes it) is that key
+    assert "did you mean `adam_epsilon`?" in _error(tmp_path, BASE + "adam_eps: 1.0e-6\n")
+    message = _error(tmp_path, BASE + "adam_gamma: 0.5\n")  # not a key anywhere, and far from every key
     assert (
-        "unknown key `adam_eps`" in message and "did you mean" not in message and "valid keys here" in message
+        "unknown key `adam_gamma`" in message
+        and "did you mean" not in message
+        and "valid keys here" in message
     )
+    assert "did you mean" not in _error(tmp_path, BASE + "lora_ta: 2\n")  # the start of three keys
 
 
 def test_every_refusal_of_a_file_is_listed_together_in_line_order(tmp_path):
@@ -371,6 +376,11 @@ def test_lr_scheduler_variants_and_min_lr_ratio(tmp_path):
         tmp_path, BASE + "lr_scheduler: linear\ncosine_min_lr_ratio: 0.1\n"
     )
     assert "`lr_scheduler: rex` is not supported yet" in _error(tmp_path, BASE + "lr_scheduler: rex\n")
+    assert _load(tmp_path, BASE + "lr_scheduler: cosine\nlr_quadratic_warmup: true\n").lr_quadratic_warmup
+    for other in ("lr_scheduler: linear\n", "lr_scheduler: cosine\ncosine_min_lr_ratio: 0.1\n"):
+        assert "needs `lr_scheduler: cosine` without" in _error(
+            tmp_path, BASE + other + "lr_quadratic_warmup: true\n"
+        )
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,20 @@ def test_axolotl_cosine_min_lr_ratio_is_hf_cosine_with_min_lr():
     assert lr_at(55, 100, 1.0, 10, "cosine", 0.2) == pytest.approx(0.6)
 
 
+@pytest.mark.parametrize(("total", "warmup"), [(20, 0), (20, 3), (100, 10), (7, 7)])
+def test_quadratic_warmup_is_axolotls_cosine_with_quadratic_warmup(total, warmup):
+    from axolotl.utils.schedulers import _get_cosine_schedule_with_quadratic_warmup_lr_lambda as axolotl
+
+    for step in range(total + 2):
+        expected = axolotl(step, num_warmup_steps=warmup, num_training_steps=total, num_cycles=0.5)
+        got = lr_at(step, total, 1.0, warmup, "cosine", quadratic_warmup=True)
+        assert got == pytest.approx(expected, rel=1e-12, abs=1e-15), step
+    if warmup > 1:
+        assert lr_at(1, total, 1.0, warmup, "cosine", quadratic_warmup=True) < lr_at(
+            1, total, 1.0, warmup, "cosine"
+        )
+
+
 def test_linear():
     assert lr_at(5, 10, 2.0, 0, "linear") == pytest.approx(1.0)
     assert lr_at(10, 10, 2.0, 0, "linear") == pytest.approx(0.0)

@@ -39,7 +39,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "chat_template_jinja": ("a Jinja chat template in its own key", "give the Jinja text in `chat_template`"),
     "lr_scheduler_kwargs": ("extra arguments to the lr scheduler", "remove it"),
     "cosine_constant_lr_ratio": ("holding the lr constant at the end of cosine", "remove it"),
-    "lr_quadratic_warmup": ("quadratic warmup", "remove it; warmup is linear"),
     "optim_args": ("extra arguments to the optimizer", "remove it"),
     "optim_target_modules": ("the modules an optimizer such as GaLore targets", "remove it"),
     "datasets[].ds_type": (
@@ -199,10 +198,14 @@ def edit_distance(a: str, b: str) -> int:
 
 def close_misspelling(name: str, candidates: list[str]) -> str | None:
     """The candidate `name` is a typo of: at most one edit away for short names, two for names of eight
-    characters or more. Farther names are other words (`fp16` is not `bf16` misspelt, but one edit is
-    all it takes, which is why known Axolotl keys are looked up before this)."""
+    characters or more, or the one candidate it shortens. Farther names are other words (`fp16` is not `bf16`
+    misspelt, but one edit is all it takes, which is why known Axolotl keys are looked up before this)."""
     limit = 1 if len(name) < 8 else 2
     scored = sorted((edit_distance(name, c), c) for c in candidates if c != name)
     if scored and scored[0][0] <= limit:
         return scored[0][1]
+    # a shortening of exactly one key (`adam_eps`, which one of Axolotl's own examples writes, is adam_epsilon)
+    longer = [c for c in candidates if c.startswith(name) and c != name]
+    if len(name) >= 5 and len(longer) == 1:
+        return longer[0]
     return None

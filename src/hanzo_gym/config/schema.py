@@ -442,6 +442,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQ
         "inverse_sqrt",
     ] = "cosine"
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)
+    lr_quadratic_warmup: bool = False  # Axolotl's: the cosine schedule's warmup rises as (step / warmup)²
     optimizer: Literal[
         "adamw_torch",
         "adamw_torch_fused",
@@ -738,6 +739,12 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQ
             raise ValueError(
                 "lr_scheduler: cosine_with_min_lr needs `cosine_min_lr_ratio` (the final lr as a fraction of "
                 "learning_rate, e.g. 0.1)"
+            )
+        if self.lr_quadratic_warmup and (self.lr_scheduler != "cosine" or self.cosine_min_lr_ratio is not None):
+            raise ValueError(
+                "lr_quadratic_warmup is Axolotl's cosine schedule with a quadratic warmup: it needs "
+                "`lr_scheduler: cosine` without cosine_min_lr_ratio (with it, Axolotl drops the minimum); "
+                "change or remove one of them"
             )
         if self.cosine_min_lr_ratio is not None and self.lr_scheduler not in ("cosine", "cosine_with_min_lr"):
             raise ValueError(

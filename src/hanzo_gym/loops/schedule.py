@@ -5,6 +5,7 @@ step: warmup rises linearly from 0 (step 0 trains at lr 0, the last warmup step 
 the decay runs over the remaining steps. `constant` has no warmup in HF; `constant_with_warmup` has.
 `polynomial` decays linearly (HF's power 1.0) to HF's absolute end rate 1e-7; `inverse_sqrt` decays as
 1 / sqrt(step / timescale) after warmup, with HF's timescale (the warmup steps, or 10,000 without warmup).
+Axolotl's `lr_quadratic_warmup` squares the warmup's fraction (its cosine schedule with quadratic warmup).
 """
 
 from __future__ import annotations
@@ -21,13 +22,20 @@ INVERSE_SQRT_TIMESCALE = 10_000
 
 
 def lr_factor(
-    step: int, total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float = 0.0, peak: float = 1.0
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    kind: str,
+    min_lr_ratio: float = 0.0,
+    peak: float = 1.0,
+    quadratic_warmup: bool = False,
 ) -> float:
     """The multiplier of the peak learning rate at 0-based optimizer step `step` of `total_steps`."""
     if kind == "constant":
         return 1.0
     if step < warmup_steps:
-        return step / max(1, warmup_steps)
+        fraction = step / max(1, warmup_steps)
+        return fraction**2 if quadratic_warmup else fraction
     if kind == "constant_with_warmup":
         return 1.0
     if kind == "linear":
@@ -49,10 +57,16 @@ def lr_factor(
 
 
 def lr_at(
-    step: int, total_steps: int, peak: float, warmup_steps: int, kind: str, min_lr_ratio: float = 0.0
+    step: int,
+    total_steps: int,
+    peak: float,
+    warmup_steps: int,
+    kind: str,
+    min_lr_ratio: float = 0.0,
+    quadratic_warmup: bool = False,
 ) -> float:
     """The learning rate for 0-based optimizer step `step` of `total_steps`."""
-    return peak * lr_factor(step, total_steps, warmup_steps, kind, min_lr_ratio, peak)
+    return peak * lr_factor(step, total_steps, warmup_steps, kind, min_lr_ratio, peak, quadratic_warmup)
 
 
 def adam_params(cfg: Config, step: int, total_steps: int) -> AdamParams:
@@ -67,6 +81,7 @@ def adam_params(cfg: Config, step: int, total_steps: int) -> AdamParams:
             cfg.warmup(total_steps),
             cfg.lr_scheduler,
             cfg.cosine_min_lr_ratio or 0.0,
+            cfg.lr_quadratic_warmup,
         ),
         beta1=cfg.adam_beta1,
         beta2=cfg.adam_beta2,
