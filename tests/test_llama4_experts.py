@@ -86,6 +86,23 @@ def test_both_layouts_load_to_the_same_4bit_layers_transformers_makes(tiny_llama
         torch.testing.assert_close(from_stacked(TOKENS).logits, from_linear(TOKENS).logits, rtol=0, atol=0)
 
 
+def test_an_8bit_base_holds_the_linear_experts_as_transformers_makes_them(tiny_llama4_base, tmp_path):
+    from bitsandbytes.nn import Linear8bitLt
+
+    linearized = _linearized_checkpoint(tiny_llama4_base, tmp_path / "linearized")
+    models = [
+        load_causal_lm(str(path), torch.float32, load_in_8bit=True, linearized_llama4_experts=True)
+        for path in (tiny_llama4_base, linearized)
+    ]
+    ours, theirs = (_experts(model)[0] for model in models)
+    for a, b in zip([*ours.gate_projs, *ours.down_projs], [*theirs.gate_projs, *theirs.down_projs]):
+        assert isinstance(a, Linear8bitLt) and isinstance(b, Linear8bitLt)
+        assert a.weight.dtype == torch.int8 and torch.equal(a.weight.data, b.weight.data)
+        assert torch.equal(a.weight.SCB, b.weight.SCB)
+    with torch.no_grad():
+        torch.testing.assert_close(models[0](TOKENS).logits, models[1](TOKENS).logits, rtol=0, atol=0)
+
+
 def test_a_model_that_is_not_llama4_is_refused(tiny_base):
     with pytest.raises(ModelError, match="not a Llama 4 model"):
         load_causal_lm(str(tiny_base), torch.float32, linearized_llama4_experts=True)

@@ -369,7 +369,7 @@ def _linearized_llama4(base_model: str, model_dir: Path) -> bool:
 def _expert_quantization(settings: transformers.BitsAndBytesConfig, dtype: torch.dtype) -> dict:
     """The bitsandbytes settings the base's linear layers loaded with, for expert layers made after the load."""
     if settings.load_in_8bit:
-        return {"bits": 8}
+        return {"bits": 8, "threshold": settings.llm_int8_threshold}
     return {
         "bits": 4,
         "compute_dtype": dtype,

@@ -95,7 +95,7 @@ def loading_linearized_experts() -> Iterator[None]:
 def linearize_experts(model: nn.Module, quantize: dict | None = None) -> int:
     """Split every stacked Llama 4 expert module of a loaded model into linear layers; with `quantize`, each
     becomes a bitsandbytes layer as a 4- or 8-bit base's linear layers are (`{"bits": 4, "compute_dtype": …,
-    "quant_type": …, "double_quant": …}` or `{"bits": 8}`). Returns how many modules were split."""
+    "quant_type": …, "double_quant": …}` or `{"bits": 8, "threshold": …}`). Returns how many modules were split."""
     stacked_class = _stacked_experts_class()
     found = [(path, m) for path, m in model.named_modules() if isinstance(m, stacked_class)]
     for path, stacked in found:
@@ -108,6 +108,7 @@ def linearize_experts(model: nn.Module, quantize: dict | None = None) -> int:
             weights = (gate_up[i, :, :width].T, gate_up[i, :, width:].T, down[i].T)
             for layers, weight in zip((linear.gate_projs, linear.up_projs, linear.down_projs), weights):
                 layers[i] = _frozen_linear(weight.contiguous(), quantize)
+        linear.train(stacked.training)  # a bitsandbytes 8-bit layer computes differently in training mode
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, linear)
     return len(found)
@@ -144,7 +145,14 @@ def _frozen_linear(weight: torch.Tensor, quantize: dict | None) -> nn.Module:
         ).to(weight.device)
         layer.support_avx512bf16_for_cpu = False  # the training path (model/hub.py's _keep_4bit_weights_trainable)
         return layer
-    layer = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False, device="meta")
+    layer = bnb.nn.Linear8bitLt(
+        in_features,
+        out_features,
+        bias=False,
+        has_fp16_weights=False,
+        threshold=quantize["threshold"],  # LLM.int8()'s outlier columns, computed in 16 bits
+        device="meta",
+    )
     layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False).to(weight.device)
     return layer
 
@@ -167,6 +175,7 @@ def delinearized(model: nn.Module) -> int:
         down = torch.stack([d.weight.T for d in linear.down_projs])
         stacked.gate_up_proj = nn.Parameter(gate_up.to(weight.dtype), requires_grad=False)
         stacked.down_proj = nn.Parameter(down.to(weight.dtype), requires_grad=False)
+        stacked.train(linear.training)
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, stacked)
     return len(found)
