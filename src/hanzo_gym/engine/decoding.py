@@ -91,7 +91,12 @@ def _lora_folded(model: PreTrainedModel) -> Iterator[None]:
         yield  # a quantized (QLoRA) base has no weight to fold into: decode with the adapter branch on
         return
     if any(getattr(base, name).dtype != torch.float32 for _, base, name in targets):
-        yield  # a bf16 / fp16 base would round the adapter's update away: the adapter branch stays, in fp32
+        # A bf16 / fp16 base would round the adapter's update away: the adapter branch stays, computed in the
+        # base's dtype as the trainer's autocast computes it, so that sampled log-probs stay close to the ones
+        # the trainer recomputes (measured on SmolLM2, 24 samples: mean gap 0.0062 → 0.0024, mean |gap| 0.050 →
+        # 0.046; on a tiny model mean |gap| 0.0089 → 0.0053). No faster than PEFT's fp32 branch on CPU (0.99x).
+        with _lora_branch_in(getattr(targets[0][1], targets[0][2]).dtype, [m for m, _, _ in targets]):
+            yield
         return
     swapped = []
     with torch.no_grad():
@@ -109,6 +114,29 @@ def _lora_folded(model: PreTrainedModel) -> Iterator[None]:
     finally:
         for base, name, weight in swapped:
             setattr(base, name, weight)
+
+
+@contextlib.contextmanager
+def _lora_branch_in(dtype: torch.dtype, layers: list[torch.nn.Module]) -> Iterator[None]:
+    """Each linear LoRA layer's A and B swapped for copies in `dtype` (the adapter is not trained while it
+    decodes), and back."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    swapped = []
+    with torch.no_grad():
+        for layer in layers:
+            if not isinstance(layer, LoraLinear):
+                continue
+            for adapter in (a for a in layer.active_adapters if a in layer.lora_A):
+                for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
+                    if factor.weight.dtype != dtype:
+                        swapped.append((factor, factor.weight))
+                        factor.weight = torch.nn.Parameter(factor.weight.to(dtype), requires_grad=False)
+    try:
+        yield
+    finally:
+        for factor, weight in swapped:
+            factor.weight = weight
 
 
 @contextlib.contextmanager
