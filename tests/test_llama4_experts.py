@@ -4,8 +4,6 @@ train with LoRA, and `gym merge` writes them stacked again."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from config_files import refusal_of, write_tiny_run
@@ -45,12 +43,28 @@ def test_linear_experts_compute_what_the_stacked_experts_compute_and_join_back(t
         assert torch.equal(state[key], value), key
 
 
+def test_the_linear_layers_are_axolotls_own_layout(tiny_llama4_base):
+    """Axolotl's patched expert module (installed --no-deps) takes our layers' weights under the same names and
+    computes the same output: its linearized checkpoints load into ours and ours into it."""
+    from axolotl.monkeypatch.models.llama4.modeling import Llama4TextExperts as AxolotlExperts
+    from tiny_models import tiny_config
+
+    config = tiny_config("llama4")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama4_base)
+    linearize_experts(model)
+    ours = _experts(model)[0]
+    theirs = AxolotlExperts(config)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    rows = torch.randn(config.num_local_experts * 3, config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(rows), theirs(rows), rtol=0, atol=0)
+
+
 def _linearized_checkpoint(tiny_llama4_base, directory):
     """Axolotl's layout: the same model saved with its experts as linear layers."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama4_base)
     linearize_experts(model)
     model.save_pretrained(directory)
-    keys = json.loads((directory / "config.json").read_text())  # noqa: F841 - the folder is a model folder
     (directory / "tokenizer.json").write_bytes((tiny_llama4_base / "tokenizer.json").read_bytes())
     (directory / "tokenizer_config.json").write_bytes(
         (tiny_llama4_base / "tokenizer_config.json").read_bytes()

@@ -3,7 +3,7 @@
 a 4-bit base quantizes them like every other linear layer and LoRA can name them.
 
 Two checkpoint layouts load: Axolotl's linearized one (its `axolotl-quants/Llama-4-…-Linearized-…` repos, whose
-keys are those of the linear layers), with transformers' expert class swapped for this one while the model loads;
+keys are those of the linear layers), its MoE layers built with these linear experts while the model loads;
 and the stacked layout of Meta's checkpoints, split into the linear layers once the model is loaded (its experts
 pass through memory in 16 bits once, then a 4- or 8-bit base quantizes them). `delinearized` turns the layers
 back into transformers' stacked parameters, which `gym merge` writes, so the merged model loads anywhere.
