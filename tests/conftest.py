@@ -15,8 +15,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from hanzo_gym.data.chat_templates import CHATML
 from hanzo_gym.model import hub as model_hub
+from hanzo_gym.renderers.chat_templates import CHATML
 
 WORD_TOKENIZER_SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
 WORD_TOKENIZER_WORDS = [

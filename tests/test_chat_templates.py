@@ -2,9 +2,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from hanzo_gym.data.chat_templates import CHATML, NO_TEMPLATE, resolve_renderer
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.renderers import RendererError
+from hanzo_gym.renderers.chat_templates import CHATML, NO_TEMPLATE, resolve_renderer
 from hanzo_gym.renderers.jinja import JinjaRenderer, tokenizer_template
 from hanzo_gym.renderers.llama3 import Llama3Renderer
 from hanzo_gym.renderers.qwen3 import Qwen3InstructRenderer, Qwen3Renderer

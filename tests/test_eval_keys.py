@@ -19,11 +19,12 @@ from transformers import AutoModelForCausalLM, EarlyStoppingCallback, Trainer, T
 from transformers.trainer_utils import rotate_checkpoints
 
 from hanzo_gym.cli import main
-from hanzo_gym.data.example import IGNORE_INDEX, Example
+from hanzo_gym.data.example import Example
 from hanzo_gym.loops import sft
 from hanzo_gym.loops.generation_eval import corpus_scores, held_out_split
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.tail import BestCheckpoint
+from hanzo_gym.records import IGNORE_INDEX
 
 # -- config rules ------------------------------------------------------------------------------------------------
 

@@ -12,12 +12,12 @@ from tiny_models import tiny_model
 
 from hanzo_gym.cli import main
 from hanzo_gym.config.kernel_keys import CUT_CROSS_ENTROPY, KERNELS, LIGER, kernel_notes
-from hanzo_gym.data.chat_templates import resolve_renderer
-from hanzo_gym.data.example import IGNORE_INDEX
 from hanzo_gym.data.sources import Row
 from hanzo_gym.data.strategies import StrategyContext, chat_template_example
 from hanzo_gym.errors import ConfigError, ModelError
 from hanzo_gym.model.lora import attach_lora
+from hanzo_gym.records import IGNORE_INDEX
+from hanzo_gym.renderers.chat_templates import resolve_renderer
 
 BASE = """base_model: m
 datasets:

@@ -1,7 +1,7 @@
 """The layering rules of the package, held by tests (see "How it is built" in the README).
 
-Bottom to top: records, errors, files and launch → config, data, renderers, rewards, synth (no torch) → model (loading,
-LoRA) → engine → host (model host, sample batcher), rollout (vLLM) → loops → front ends (cli, serve, tinker, cookbook). An
+Bottom to top: records, errors, files and launch → renderers, rewards → config (it checks reward specs and template
+names at load) → data, synth (they read configs); none of these loads torch → model (loading, LoRA) → engine → host (model host, sample batcher), rollout (vLLM) → loops → front ends (cli, serve, tinker, cookbook). An
 import only points down or sideways within a layer; module-level imports form no cycle.
 """
 
@@ -19,7 +19,9 @@ import hanzo_gym
 PACKAGE = Path(hanzo_gym.__file__).parent
 LAYERS = [
     {"records", "errors", "files", "launch"},
-    {"config", "data", "renderers", "rewards", "synth"},
+    {"renderers", "rewards"},
+    {"config"},
+    {"data", "synth"},
     {"model"},
     {"engine"},
     {"host", "rollout"},

@@ -15,12 +15,12 @@ from config_files import parse_minimal, refusal_of
 
 from hanzo_gym.cli import main
 from hanzo_gym.config import DatasetConfig
-from hanzo_gym.data.chat_templates import resolve_renderer
-from hanzo_gym.data.example import IGNORE_INDEX
 from hanzo_gym.data.sources import Row
 from hanzo_gym.data.strategies import StrategyContext, row_to_example
 from hanzo_gym.errors import ModelError
 from hanzo_gym.model.hub import load_tokenizer
+from hanzo_gym.records import IGNORE_INDEX
+from hanzo_gym.renderers.chat_templates import resolve_renderer
 from hanzo_gym.renderers.mistral_common import MistralCommonRenderer
 
 CHATS = [

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hanzo_gym.data.example import IGNORE_INDEX
+from hanzo_gym.records import IGNORE_INDEX
 from hanzo_gym.renderers import (
     ParseTermination,
     RendererError,

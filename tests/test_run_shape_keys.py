@@ -17,13 +17,13 @@ from hanzo_gym.cli import main
 from hanzo_gym.config import load_config
 from hanzo_gym.data.batching import epoch_order, length_grouped_order, micro_batches
 from hanzo_gym.data.dataset import load_examples
-from hanzo_gym.data.example import IGNORE_INDEX
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import ModelError
 from hanzo_gym.loops import sft
 from hanzo_gym.loops.train import build_engine
 from hanzo_gym.model import hub
 from hanzo_gym.model.lora import adapter_weights, read_adapter
+from hanzo_gym.records import IGNORE_INDEX
 
 
 def _config(tmp_path, tiny_base, chat_data, name="run", **overrides):

@@ -4,10 +4,11 @@ import pytest
 
 from hanzo_gym import files as rundir
 from hanzo_gym.data.batching import epoch_order, micro_batches, supervised_datum
-from hanzo_gym.data.example import IGNORE_INDEX, Example
+from hanzo_gym.data.example import Example
 from hanzo_gym.files import publish_directory, publish_files_into
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.schedule import lr_at
+from hanzo_gym.records import IGNORE_INDEX
 
 
 def test_warmup_starts_at_zero_then_cosine():

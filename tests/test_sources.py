@@ -8,8 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from hanzo_gym.config.splits import Split
 from hanzo_gym.data import sources
-from hanzo_gym.data.sources import Row, Split, read_rows
+from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.errors import DataError
 
 REPO_ID = "owner/chat-data"

@@ -1,8 +1,6 @@
 import pytest
 
 from hanzo_gym.config import DatasetConfig
-from hanzo_gym.data.example import IGNORE_INDEX
-from hanzo_gym.data.instruction_formats import ALPACA_STYLES
 from hanzo_gym.data.sources import Row
 from hanzo_gym.data.strategies import (
     StrategyContext,
@@ -10,6 +8,8 @@ from hanzo_gym.data.strategies import (
     row_to_example,
 )
 from hanzo_gym.errors import ConfigError, DataError
+from hanzo_gym.records import IGNORE_INDEX
+from hanzo_gym.renderers.instruction_formats import ALPACA_STYLES
 from hanzo_gym.renderers.jinja import end_of_turn_ids
 
 alpaca_prompt = ALPACA_STYLES["instruct"].prompt

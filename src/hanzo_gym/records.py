@@ -20,6 +20,9 @@ from hanzo_gym.errors import GymError
 if TYPE_CHECKING:
     import torch
 
+# The label of a position that is not trained (the ignore_index of torch's cross entropy, as HF writes it).
+IGNORE_INDEX = -100
+
 DType = Literal["int64", "float32"]
 _NUMPY = {"int64": np.int64, "float32": np.float32}
 _INTEGER_INPUTS = {"target_tokens"}

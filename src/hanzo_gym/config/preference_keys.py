@@ -8,26 +8,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from hanzo_gym.config.dataset_types import KTO_TYPES, PAIR_TYPES, is_user_transform
+
 PAIR_METHODS = ("dpo", "ipo", "orpo", "simpo")
 PREFERENCE_METHODS = (*PAIR_METHODS, "kto")
-
-_STRING_VARIANTS = ("default", "argilla_chat", "icr", "intel", "prompt_pairs", "ultra")
-_KTO_VARIANTS = ("argilla", "argilla_chat", "intel", "prompt_pairs", "ultra")
-# Dataset types of chosen/rejected pairs: Axolotl's string formats (chatml.*, llama3.*), its chat-template
-# formats, and `passthrough` (rows already in TRL's prompt / chosen / rejected shape).
-PAIR_TYPES = (
-    *(f"{family}.{variant}" for family in ("chatml", "llama3") for variant in _STRING_VARIANTS),
-    "chat_template.default",
-    "chat_template.argilla_chat",
-    "chat_template.argilla",
-    "passthrough",
-)
-# Dataset types of KTO's unpaired examples (prompt, completion, label).
-KTO_TYPES = (
-    *(f"{family}.{variant}" for family in ("chatml", "llama3") for variant in _KTO_VARIANTS),
-    "passthrough",
-)
-
 
 class PreferenceKeys(BaseModel):
     rl_beta: float | None = Field(None, gt=0)  # β of DPO / IPO / KTO / SimPO (TRL's default 0.1)
@@ -96,8 +80,6 @@ def check_preference_keys(cfg) -> None:
         )
     if cfg.rl_beta is not None and cfg.dpo_beta is not None and cfg.rl_beta != cfg.dpo_beta:
         raise ValueError("rl_beta and dpo_beta (its old name) disagree; give rl_beta only")
-    from hanzo_gym.config.schema import is_user_transform
-
     allowed = KTO_TYPES if method == "kto" else PAIR_TYPES
     for ds in cfg.datasets:
         if isinstance(ds.type, str) and ds.type not in allowed and not is_user_transform(ds.type):

@@ -30,45 +30,25 @@ from hanzo_gym.config.axolotl_keys import (
     close_misspelling,
     known_path,
 )
+from hanzo_gym.config.dataset_types import DATASET_TYPES, is_user_transform
 from hanzo_gym.config.eval_keys import EvalKeys, check_eval_keys
 from hanzo_gym.config.kernel_keys import KernelKeys, check_kernel_keys
 from hanzo_gym.config.model_quantization_keys import ModelQuantizationKeys, check_model_quantization
 from hanzo_gym.config.parameter_patterns import ROW_RANGE, name_pattern
 from hanzo_gym.config.peft_keys import PeftKeys, check_peft_keys
-from hanzo_gym.config.preference_keys import (
-    KTO_TYPES,
-    PAIR_METHODS,
-    PAIR_TYPES,
-    PreferenceKeys,
-    check_preference_keys,
-)
+from hanzo_gym.config.preference_keys import PAIR_METHODS, PreferenceKeys, check_preference_keys
 from hanzo_gym.config.run_shape_keys import check_run_shape_keys
 from hanzo_gym.config.tracking import TrackingKeys
 from hanzo_gym.config.vllm_keys import VllmSection, VllmTrlKeys, check_vllm_keys
 from hanzo_gym.config.yaml_source import load_yaml_file
-from hanzo_gym.data.instruction_formats import ALPACA_STYLES, InstructionFormat
 from hanzo_gym.errors import ConfigError, DataError, GymError
-from hanzo_gym.rewards.user_code import is_dotted_name
+from hanzo_gym.renderers.instruction_formats import ALPACA_STYLES, InstructionFormat
 
 # Axolotl's warmup when the config gives none: 3 % of the run, at most 100 steps.
 DEFAULT_WARMUP_RATIO = 0.03
 MAX_DEFAULT_WARMUP = 100
 # torch, numpy and Python's `random` all take seeds up to 2**32 - 1 (numpy's legacy seeding allows no more).
 MAX_SEED = 2**32 - 1
-
-
-def is_user_transform(dataset_type: str | DatasetTypeMapping) -> bool:
-    """Axolotl's `type: module.function` (e.g. `rewards.prompt_transform`)."""
-    return (
-        isinstance(dataset_type, str)
-        and dataset_type not in DATASET_TYPES
-        and not dataset_type.startswith("alpaca:")
-        and is_dotted_name(dataset_type)
-    )
-
-
-SFT_TYPES = ("chat_template", "alpaca", "input_output", "completion")
-DATASET_TYPES = tuple(dict.fromkeys((*SFT_TYPES, *PAIR_TYPES, *KTO_TYPES)))
 
 
 class _Strict(BaseModel):
@@ -92,7 +72,7 @@ class SpecialTokens(_Strict):
 
 class DatasetTypeMapping(_Strict):
     """Axolotl's `type:` given as a mapping: a prompt format of the user's. SFT and GRPO read the instruction
-    keys (Axolotl's user-defined instruction format, data/instruction_formats.py); `rl: dpo`, ipo, simpo read
+    keys (Axolotl's user-defined instruction format, renderers/instruction_formats.py); `rl: dpo`, ipo, simpo read
     the pair keys and `rl: kto` the KTO keys (Axolotl's user-defined preference formats). Unset keys take
     Axolotl's defaults; a key of another kind of run is refused (Config)."""
 
@@ -265,7 +245,7 @@ class DatasetConfig(_Strict):
     @classmethod
     def _split_parses(cls, value: str | None) -> str | None:
         if value is not None:
-            from hanzo_gym.data.sources import Split
+            from hanzo_gym.config.splits import Split
 
             try:
                 Split.parse(value)
@@ -375,7 +355,7 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQ
     tokenizer_use_mistral_common: bool | None = None
     special_tokens: SpecialTokens | None = None
     chat_template: str | None = None
-    # the tokens that end a turn, trained with it (data/chat_templates.py)
+    # the tokens that end a turn, trained with it (renderers/chat_templates.py)
     eot_tokens: list[str] | None = None
     datasets: list[DatasetConfig] = Field(min_length=1)
     val_set_size: float = Field(0.0, ge=0)
@@ -544,7 +524,12 @@ class Config(_Strict, PreferenceKeys, TrackingKeys, KernelKeys, EvalKeys, ModelQ
     @field_validator("chat_template")
     @classmethod
     def _known_chat_template(cls, value: str | None) -> str | None:
-        from hanzo_gym.data.chat_templates import FALLBACK_PREFIX, TOKENIZER_DEFAULT, is_jinja, template_names
+        from hanzo_gym.renderers.chat_templates import (
+            FALLBACK_PREFIX,
+            TOKENIZER_DEFAULT,
+            is_jinja,
+            template_names,
+        )
 
         if value is None or is_jinja(value):
             return value

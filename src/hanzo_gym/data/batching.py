@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from hanzo_gym.data.example import IGNORE_INDEX, Example
-from hanzo_gym.records import Datum, ModelInput
+from hanzo_gym.data.example import Example
+from hanzo_gym.records import IGNORE_INDEX, Datum, ModelInput
 
 
 def epoch_order(n_examples: int, seed: int, epoch: int) -> list[int]:

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hanzo_gym.config import Config, DatasetConfig
-from hanzo_gym.config.schema import is_user_transform
-from hanzo_gym.data.chat_templates import resolve_renderer
+from hanzo_gym.config.dataset_types import is_user_transform
 from hanzo_gym.data.deduplicate import without_duplicates
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext, row_to_example
 from hanzo_gym.data.user_transforms import load_user_strategy
 from hanzo_gym.errors import DataError
+from hanzo_gym.renderers.chat_templates import resolve_renderer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-IGNORE_INDEX = -100
+from hanzo_gym.records import IGNORE_INDEX
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from hanzo_gym import __version__
-from hanzo_gym.config.schema import is_user_transform
+from hanzo_gym.config.dataset_types import is_user_transform
 from hanzo_gym.data.dataset import DatasetStats, LoadedData
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.preference import KtoExample, LoadedPreferences, PreferencePair

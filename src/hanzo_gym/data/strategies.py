@@ -3,7 +3,7 @@
 - `chat_template`: the conversation rendered by the run's renderer (`chat_template` setting); the content of
   trained turns (and their end-of-turn token, per `train_on_eos`) is labelled.
 - `alpaca`, `alpaca:<style>` or a `type:` mapping: the instruction (and input) in the format's prompt
-  (data/instruction_formats.py), then the output; the output and eos are labelled.
+  (renderers/instruction_formats.py), then the output; the output and eos are labelled.
 - `input_output`: the row's `segments` as they are, each labelled or not by its own `label`; nothing added.
 - `completion`: raw text plus eos; everything is labelled.
 
@@ -17,10 +17,11 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.config import DatasetConfig
-from hanzo_gym.data.chat_templates import resolve_renderer
-from hanzo_gym.data.example import IGNORE_INDEX, Example
+from hanzo_gym.data.example import Example
 from hanzo_gym.errors import ConfigError, DataError
+from hanzo_gym.records import IGNORE_INDEX
 from hanzo_gym.renderers.base import Renderer, RendererError, axolotl_labels, axolotl_trained
+from hanzo_gym.renderers.chat_templates import resolve_renderer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

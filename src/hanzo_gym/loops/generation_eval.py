@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hanzo_gym.config import Config
-from hanzo_gym.data.example import IGNORE_INDEX, Example
+from hanzo_gym.data.example import Example
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine.distributed import gather_objects, shard
-from hanzo_gym.records import SamplingParams
+from hanzo_gym.records import IGNORE_INDEX, SamplingParams
 
 # held-out prompts decoded together
 DECODE_CHUNK = 64

@@ -13,7 +13,6 @@ from hanzo_gym.config import Config
 from hanzo_gym.config.kernel_keys import kernel_notes, transformers_experts_implementation
 from hanzo_gym.config.model_quantization_keys import model_quantization
 from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
-from hanzo_gym.data.axolotl_templates import FAMILY_TEMPLATES, check_template_family
 from hanzo_gym.data.dataset import excess_length_note, load_examples
 from hanzo_gym.data.debug_print import describe_item
 from hanzo_gym.data.preference import load_preferences
@@ -57,6 +56,7 @@ from hanzo_gym.model.loader_keys import (
 from hanzo_gym.model.loftq import loftq_bits, start_loftq
 from hanzo_gym.model.lora import attach_lora, linear_module_names, load_trainable_lora, read_adapter_config
 from hanzo_gym.model.unfreeze import train_only_matching
+from hanzo_gym.renderers.axolotl_templates import FAMILY_TEMPLATES, check_template_family
 
 
 def build_engine(

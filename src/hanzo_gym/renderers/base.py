@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from hanzo_gym.data.example import IGNORE_INDEX
 from hanzo_gym.errors import GymError
-from hanzo_gym.records import EncodedTextChunk, ModelInput
+from hanzo_gym.records import IGNORE_INDEX, EncodedTextChunk, ModelInput
 
 if TYPE_CHECKING:
     import torch

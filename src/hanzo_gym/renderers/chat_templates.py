@@ -4,7 +4,7 @@
 - a renderer name (`qwen3`, `llama3`, `role_colon`, …) or `chatml` (the ChatML of `qwen3_instruct`);
 - `tokenizer_default_fallback_<name>`: the tokenizer's template if it has one, else the renderer `<name>`;
 - Axolotl's name of a family's template (`gemma3`, `qwen_25`, …): the tokenizer's own template, once the loop
-  has checked that the model is of that family (`data/axolotl_templates.py`);
+  has checked that the model is of that family (`renderers/axolotl_templates.py`);
 - inline Jinja: that template (`JinjaRenderer`).
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hanzo_gym.data.axolotl_templates import axolotl_template_names, family_template_problem
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.renderers import Renderer, RendererError, get_renderer, renderer_names
+from hanzo_gym.renderers.axolotl_templates import axolotl_template_names, family_template_problem
 from hanzo_gym.renderers.jinja import JinjaRenderer, tokenizer_template
 from hanzo_gym.renderers.mistral_common import MistralCommonRenderer, is_mistral_common
 

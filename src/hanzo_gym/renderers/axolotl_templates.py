@@ -4,7 +4,7 @@ Each of Axolotl's named templates is its copy of one model family's own template
 tokenizer's own template instead (tokens exactly `apply_chat_template`'s), provided that the base model is of
 that family and its tokenizer carries a template; anything else is refused with the reason, because the
 tokenizer's template of another family would silently train a format the config did not name. The names
-`chatml`, `llama3` and `qwen3` are built-in renderers (`data/chat_templates.py`) and never reach this module.
+`chatml`, `llama3` and `qwen3` are built-in renderers (`renderers/chat_templates.py`) and never reach this module.
 """
 
 from __future__ import annotations

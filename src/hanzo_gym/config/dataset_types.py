@@ -1,0 +1,35 @@
+"""The dataset types a config may name: SFT's, the preference pairs' and KTO's (each `rl` reads its own), and
+Axolotl's `module.function`, a transform of the user's."""
+
+from __future__ import annotations
+
+from hanzo_gym.rewards.user_code import is_dotted_name
+
+_STRING_VARIANTS = ("default", "argilla_chat", "icr", "intel", "prompt_pairs", "ultra")
+_KTO_VARIANTS = ("argilla", "argilla_chat", "intel", "prompt_pairs", "ultra")
+# Dataset types of chosen/rejected pairs: Axolotl's string formats (chatml.*, llama3.*), its chat-template
+# formats, and `passthrough` (rows already in TRL's prompt / chosen / rejected shape).
+PAIR_TYPES = (
+    *(f"{family}.{variant}" for family in ("chatml", "llama3") for variant in _STRING_VARIANTS),
+    "chat_template.default",
+    "chat_template.argilla_chat",
+    "chat_template.argilla",
+    "passthrough",
+)
+# Dataset types of KTO's unpaired examples (prompt, completion, label).
+KTO_TYPES = (
+    *(f"{family}.{variant}" for family in ("chatml", "llama3") for variant in _KTO_VARIANTS),
+    "passthrough",
+)
+SFT_TYPES = ("chat_template", "alpaca", "input_output", "completion")
+DATASET_TYPES = tuple(dict.fromkeys((*SFT_TYPES, *PAIR_TYPES, *KTO_TYPES)))
+
+
+def is_user_transform(dataset_type: object) -> bool:
+    """Axolotl's `type: module.function` (e.g. `rewards.prompt_transform`)."""
+    return (
+        isinstance(dataset_type, str)
+        and dataset_type not in DATASET_TYPES
+        and not dataset_type.startswith("alpaca:")
+        and is_dotted_name(dataset_type)
+    )
