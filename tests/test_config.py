@@ -400,3 +400,37 @@ def test_lr_scheduler_variants_and_min_lr_ratio(tmp_path):
 )
 def test_warmup_steps_are_axolotls(tmp_path, keys, total, expected):
     assert load_text(tmp_path, BASE + keys).warmup(total) == expected
+
+
+def test_every_feature_of_the_config_is_a_base_of_config_and_checked(monkeypatch):
+    """A feature module whose keys class is left out of Config's bases would neither load its keys nor check
+    them; and each registered feature's own check runs exactly once per load."""
+    import importlib
+    import pkgutil
+
+    import hanzo_gym.config as config_package
+    from hanzo_gym.config.feature import Feature
+    from hanzo_gym.config.schema import Config
+
+    for module in pkgutil.iter_modules(config_package.__path__):
+        importlib.import_module(f"hanzo_gym.config.{module.name}")
+    features = {cls for cls in _subclasses(Feature) if cls is not Config}
+    assert features, "no features found"
+    assert features <= set(Config.__mro__), sorted(f.__name__ for f in features - set(Config.__mro__))
+
+    calls = []
+    for feature in features:
+        if "check" in vars(feature):
+            original = vars(feature)["check"]
+            monkeypatch.setattr(
+                feature, "check", lambda self, _f=feature, _o=original: (calls.append(_f), _o(self))[1]
+            )
+    parse_config(load_yaml(BASE, "run.yaml")[0])
+    checked = [f for f in features if "check" in vars(f)]
+    assert sorted(c.__name__ for c in calls) == sorted(f.__name__ for f in checked)
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)

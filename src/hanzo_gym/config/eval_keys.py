@@ -1,17 +1,21 @@
 """Axolotl's keys of what evaluation measures and what it decides: the eval batch size, early stopping and the best
 checkpoint as the final model, generation metrics on the held-out examples, and the debug print of tokenized
-examples. `Config` inherits the keys; its cross-key rules call `check_eval_keys`."""
+examples; and when to evaluate (`eval_steps` or `evals_per_epoch`)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import Field, field_validator
+
+from hanzo_gym.config.feature import Feature, zero_means_unset
 
 # Axolotl's default metric list (`comet` needs a model of its own from the hub, which hanzo-gym does not fetch)
 DEFAULT_CAUSAL_LM_METRICS = ("sacrebleu", "comet", "ter", "chrf")
 CAUSAL_LM_METRICS = ("sacrebleu", "ter", "chrf", "perplexity")
 
 
-class EvalKeys(BaseModel):
+class EvalKeys(Feature):
+    eval_steps: int | None = Field(None, ge=1)
+    evals_per_epoch: int | None = Field(None, ge=1)  # Axolotl's other way to say eval_steps
     # examples per eval micro-batch; micro_batch_size when unset
     eval_batch_size: int | None = Field(None, ge=1)
     # stop after this many evaluations in a row without a lower eval loss (HF's EarlyStoppingCallback)
@@ -25,6 +29,8 @@ class EvalKeys(BaseModel):
     # print the first tokenized training item, each token with its label (data/debug_print.py)
     debug: bool = False
 
+    _evals_per_epoch = field_validator("evals_per_epoch", mode="before")(zero_means_unset)
+
     @property
     def eval_micro_batch_size(self) -> int:
         return self.eval_batch_size or self.micro_batch_size
@@ -37,56 +43,56 @@ class EvalKeys(BaseModel):
     def generates_at_eval(self) -> bool:
         return self.do_causal_lm_eval or self.eval_table_size > 0
 
-
-def check_eval_keys(cfg) -> None:
-    """ValueError with the sentence to show."""
-    if cfg.rl == "grpo":
-        used = [
-            key
-            for key in ("early_stopping_patience", "do_causal_lm_eval", "eval_table_size")
-            if getattr(cfg, key)
-        ] + (["load_best_model_at_end"] if cfg.load_best_model_at_end else [])
-        if used:
+    def check(self) -> None:
+        if self.eval_steps is not None and self.evals_per_epoch is not None:
+            raise ValueError("`eval_steps` and `evals_per_epoch` say the same thing two ways; give one of them")
+        if self.rl == "grpo":
+            used = [
+                key
+                for key in ("early_stopping_patience", "do_causal_lm_eval", "eval_table_size")
+                if getattr(self, key)
+            ] + (["load_best_model_at_end"] if self.load_best_model_at_end else [])
+            if used:
+                raise ValueError(
+                    f"{used[0]} works on an eval loss and held-out completions of SFT or preference data; rl: grpo "
+                    "evaluates rewards of greedy completions (eval/reward) already: remove it"
+                )
+        if (self.early_stopping_patience or self.load_best_model_at_end) and self.val_set_size == 0:
+            key = "early_stopping_patience" if self.early_stopping_patience else "load_best_model_at_end"
+            raise ValueError(f"{key} compares eval losses: it needs a held-out set (val_set_size > 0)")
+        evals = self.eval_steps is not None or self.evals_per_epoch is not None
+        saves = self.save_steps is not None or self.saves_per_epoch is not None
+        if self.load_best_model_at_end and not (evals and saves):
             raise ValueError(
-                f"{used[0]} works on an eval loss and held-out completions of SFT or preference data; rl: grpo "
-                "evaluates rewards of greedy completions (eval/reward) already: remove it"
+                "load_best_model_at_end picks among checkpoints by their eval loss: it needs `eval_steps` (or "
+                "evals_per_epoch) and `save_steps` (or saves_per_epoch) a multiple of it (Axolotl's and HF's rule)"
             )
-    if (cfg.early_stopping_patience or cfg.load_best_model_at_end) and cfg.val_set_size == 0:
-        key = "early_stopping_patience" if cfg.early_stopping_patience else "load_best_model_at_end"
-        raise ValueError(f"{key} compares eval losses: it needs a held-out set (val_set_size > 0)")
-    evals = cfg.eval_steps is not None or cfg.evals_per_epoch is not None
-    saves = cfg.save_steps is not None or cfg.saves_per_epoch is not None
-    if cfg.load_best_model_at_end and not (evals and saves):
-        raise ValueError(
-            "load_best_model_at_end picks among checkpoints by their eval loss: it needs `eval_steps` (or "
-            "evals_per_epoch) and `save_steps` (or saves_per_epoch) a multiple of it (Axolotl's and HF's rule)"
-        )
-    if cfg.rl == "kto" and cfg.eval_batch_size == 1:
-        raise ValueError(
-            "rl: kto needs eval_batch_size ≥ 2: its KL term pairs each prompt with another example's completion "
-            "of the same micro-batch"
-        )
-    if cfg.generates_at_eval and cfg.val_set_size == 0:
-        key = "do_causal_lm_eval" if cfg.do_causal_lm_eval else "eval_table_size"
-        raise ValueError(f"{key} completes held-out prompts: it needs a held-out set (val_set_size > 0)")
-    if cfg.generates_at_eval and cfg.rl is not None:
-        raise ValueError(
-            f"do_causal_lm_eval / eval_table_size complete the prompts of SFT examples; rl: {cfg.rl} (pairs) "
-            "is not supported yet: remove them"
-        )
-    if cfg.do_causal_lm_eval:
-        if "comet" in cfg.causal_lm_metrics:
-            where = "is in Axolotl's default list" if cfg.eval_causal_lm_metrics is None else "is listed"
+        if self.rl == "kto" and self.eval_batch_size == 1:
             raise ValueError(
-                f"eval_causal_lm_metrics: `comet` {where}; it scores with a COMET model fetched from the hub, "
-                f"which is not supported: give the metrics to compute, from {', '.join(CAUSAL_LM_METRICS)}"
+                "rl: kto needs eval_batch_size ≥ 2: its KL term pairs each prompt with another example's completion "
+                "of the same micro-batch"
             )
-        unknown = [name for name in cfg.causal_lm_metrics if name not in CAUSAL_LM_METRICS]
-        if unknown:
+        if self.generates_at_eval and self.val_set_size == 0:
+            key = "do_causal_lm_eval" if self.do_causal_lm_eval else "eval_table_size"
+            raise ValueError(f"{key} completes held-out prompts: it needs a held-out set (val_set_size > 0)")
+        if self.generates_at_eval and self.rl is not None:
             raise ValueError(
-                f"eval_causal_lm_metrics: `{unknown[0]}` is not one of {', '.join(CAUSAL_LM_METRICS)}"
+                f"do_causal_lm_eval / eval_table_size complete the prompts of SFT examples; rl: {self.rl} (pairs) "
+                "is not supported yet: remove them"
             )
-    elif cfg.eval_causal_lm_metrics is not None:
-        raise ValueError(
-            "eval_causal_lm_metrics are computed with do_causal_lm_eval: true; set it or remove them"
-        )
+        if self.do_causal_lm_eval:
+            if "comet" in self.causal_lm_metrics:
+                where = "is in Axolotl's default list" if self.eval_causal_lm_metrics is None else "is listed"
+                raise ValueError(
+                    f"eval_causal_lm_metrics: `comet` {where}; it scores with a COMET model fetched from the hub, "
+                    f"which is not supported: give the metrics to compute, from {', '.join(CAUSAL_LM_METRICS)}"
+                )
+            unknown = [name for name in self.causal_lm_metrics if name not in CAUSAL_LM_METRICS]
+            if unknown:
+                raise ValueError(
+                    f"eval_causal_lm_metrics: `{unknown[0]}` is not one of {', '.join(CAUSAL_LM_METRICS)}"
+                )
+        elif self.eval_causal_lm_metrics is not None:
+            raise ValueError(
+                "eval_causal_lm_metrics are computed with do_causal_lm_eval: true; set it or remove them"
+            )

@@ -5,14 +5,21 @@ kernels plugin (MoE grouped GEMMs) and torch.compile. hanzo-gym runs the model's
 chunked loss instead, which compute the same function, so a config that asks for them trains as written; the
 run's first lines say, once per group, what runs in their place (`kernel_notes`). This is the rule the
 optimizers follow (a fused or 8-bit AdamW falls back to plain AdamW, the same update rule). A plugin or key
-that changes the result (a loss of its own, token scaling) is refused by name.
+that changes the result (a loss of its own, token scaling) is refused by name. The attention kernel
+(`attn_implementation`, or Axolotl's older `flash_attention` switch) is chosen here too.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import Field, field_validator
+
+from hanzo_gym.config.feature import Feature
+
+ATTENTION_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+HUB_KERNEL = r"[\w.-]+/[\w.-]+(@[\w.-]+)?(:\w+)?"  # transformers' `owner/repo[@revision][:function]`
 
 CUT_CROSS_ENTROPY = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
 LIGER = "axolotl.integrations.liger.LigerPlugin"
@@ -52,10 +59,15 @@ PLUGIN_OF_KEY = {
 }
 
 
-class KernelKeys(BaseModel):
-    """The kernel keys of `Config` (a base class of it, so they sit at the top level as in Axolotl)."""
+TORCH_COMPILE_ARGUMENTS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 
-    plugins: list[str] = []
+
+class KernelKeys(Feature):
+    # a transformers kernel name, or a kernel on the Hub (`kernels-community/flash-attn3`, run through `kernels`)
+    attn_implementation: str | None = None
+    # Axolotl's older switch: true means attn_implementation flash_attention_2
+    flash_attention: bool | None = None
+    plugins: list[str] = Field(default_factory=list)
     cut_cross_entropy: bool | None = None
     liger_rope: bool | None = None
     liger_rms_norm: bool | None = None
@@ -83,56 +95,70 @@ class KernelKeys(BaseModel):
     # the arguments torch.compile compiles FlexAttention with (attn_implementation: flex_attention)
     flex_attn_compile_kwargs: dict[str, Any] | None = None
 
-
-TORCH_COMPILE_ARGUMENTS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
-
-
-def check_kernel_keys(cfg: KernelKeys, adapter: str | None, attn_implementation: str | None) -> None:
-    """ValueError with the sentence to show. Axolotl's own refusals of these keys are kept, so that a config
-    that loads here loads there."""
-    if cfg.flash_attn_fuse_mlp and adapter:
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, value: str | None) -> str | None:
+        if value is None or value in ATTENTION_KERNELS or re.fullmatch(HUB_KERNEL, value):
+            return value
         raise ValueError(
-            f"flash_attn_fuse_mlp fuses the MLP's linear layers into one, which a LoRA adapter cannot target "
-            f"(Axolotl refuses it with `adapter: {adapter}` too): remove it"
+            f"unknown attention kernel; use one of {', '.join(ATTENTION_KERNELS)} or a kernel on the Hub "
+            "(`owner/repo`, e.g. kernels-community/flash-attn3)"
         )
-    for key in ("torch_compile_backend", "torch_compile_mode"):
-        if getattr(cfg, key) and not cfg.torch_compile:
+
+    def check(self) -> None:
+        """Axolotl's own refusals of these keys are kept, so that a config that loads here loads there."""
+        if self.flash_attention:
+            if self.attn_implementation not in (None, "flash_attention_2"):
+                raise ValueError(
+                    f"flash_attention: true means attn_implementation flash_attention_2, and the config also says "
+                    f"attn_implementation: {self.attn_implementation}; give one of them"
+                )
+            self.attn_implementation = "flash_attention_2"  # Axolotl's own normalization of the old switch
+        if self.flash_attn_fuse_mlp and self.adapter:
             raise ValueError(
-                f"{key} says how torch_compile compiles, and torch_compile is not set: set it or remove {key}"
+                f"flash_attn_fuse_mlp fuses the MLP's linear layers into one, which a LoRA adapter cannot target "
+                f"(Axolotl refuses it with `adapter: {self.adapter}` too): remove it"
             )
-    if cfg.flex_attn_compile_kwargs:
-        if attn_implementation != "flex_attention":
+        for key in ("torch_compile_backend", "torch_compile_mode"):
+            if getattr(self, key) and not self.torch_compile:
+                raise ValueError(
+                    f"{key} says how torch_compile compiles, and torch_compile is not set: set it or remove {key}"
+                )
+        if self.flex_attn_compile_kwargs:
+            if self.attn_implementation != "flex_attention":
+                raise ValueError(
+                    "flex_attn_compile_kwargs says how FlexAttention is compiled, and attn_implementation is "
+                    f"{self.attn_implementation}, not flex_attention: set it or remove flex_attn_compile_kwargs"
+                )
+            unknown = sorted(set(self.flex_attn_compile_kwargs) - set(TORCH_COMPILE_ARGUMENTS))
+            if unknown:
+                raise ValueError(
+                    f"flex_attn_compile_kwargs: {', '.join(unknown)} are not arguments of torch.compile "
+                    f"({', '.join(TORCH_COMPILE_ARGUMENTS)})"
+                )
+        if self.gemma4_hybrid_attn_impl and self.attn_implementation not in (None, "flash_attention_2"):
             raise ValueError(
-                "flex_attn_compile_kwargs says how FlexAttention is compiled, and attn_implementation is "
-                f"{attn_implementation}, not flex_attention: set it or remove flex_attn_compile_kwargs"
+                "gemma4_hybrid_attn_impl runs FlashAttention 2 on Gemma 4's sliding-window layers, so Axolotl "
+                f"requires `attn_implementation: flash_attention_2` with it, not {self.attn_implementation}: change "
+                "one of them"
             )
-        unknown = sorted(set(cfg.flex_attn_compile_kwargs) - set(TORCH_COMPILE_ARGUMENTS))
-        if unknown:
-            raise ValueError(
-                f"flex_attn_compile_kwargs: {', '.join(unknown)} are not arguments of torch.compile "
-                f"({', '.join(TORCH_COMPILE_ARGUMENTS)})"
-            )
-    if cfg.gemma4_hybrid_attn_impl and attn_implementation not in (None, "flash_attention_2"):
-        raise ValueError(
-            "gemma4_hybrid_attn_impl runs FlashAttention 2 on Gemma 4's sliding-window layers, so Axolotl requires "
-            f"`attn_implementation: flash_attention_2` with it, not {attn_implementation}: change one of them"
-        )
-    for plugin in cfg.plugins:
-        if plugin in OTHER_PLUGINS:
-            raise ValueError(
-                f"Axolotl's plugin `{plugin}` ({OTHER_PLUGINS[plugin]}) is not supported yet; remove it"
-            )
-        if plugin not in SPEED_ONLY_PLUGINS:
-            raise ValueError(
-                f"plugins: `{plugin}` is not an Axolotl plugin hanzo-gym knows; the ones that load are "
-                f"{', '.join(SPEED_ONLY_PLUGINS)}"
-            )
-    for key, plugin in PLUGIN_OF_KEY.items():
-        if getattr(cfg, key) and plugin not in cfg.plugins:
-            raise ValueError(
-                f"`{key}` is an option of Axolotl's plugin {plugin}, which `plugins` does not list "
-                "(Axolotl would not read it): add the plugin or remove the key"
-            )
+        for plugin in self.plugins:
+            if plugin in OTHER_PLUGINS:
+                raise ValueError(
+                    f"Axolotl's plugin `{plugin}` ({OTHER_PLUGINS[plugin]}) is not supported yet; remove it"
+                )
+            if plugin not in SPEED_ONLY_PLUGINS:
+                raise ValueError(
+                    f"plugins: `{plugin}` is not an Axolotl plugin hanzo-gym knows; the ones that load are "
+                    f"{', '.join(SPEED_ONLY_PLUGINS)}"
+                )
+        for key, plugin in PLUGIN_OF_KEY.items():
+            if getattr(self, key) and plugin not in self.plugins:
+                raise ValueError(
+                    f"`{key}` is an option of Axolotl's plugin {plugin}, which `plugins` does not list "
+                    "(Axolotl would not read it): add the plugin or remove the key"
+                )
+
 
 
 def transformers_experts_implementation(cfg: KernelKeys) -> str | None:

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from hanzo_gym.config.feature import Feature
+
 
 class LoftQSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -20,9 +22,7 @@ class PeftSection(BaseModel):
     loftq_config: LoftQSettings | None = None
 
 
-class PeftKeys(BaseModel):
-    """The keys of `Config` (a base class of it, so they sit at the top level as in Axolotl)."""
-
+class PeftKeys(Feature):
     peft: PeftSection | None = None
 
     @property
@@ -30,26 +30,17 @@ class PeftKeys(BaseModel):
         loftq = self.peft.loftq_config if self.peft else None
         return loftq.loftq_bits if loftq else None
 
-
-def check_peft_keys(
-    cfg: PeftKeys, adapter: str | None, quantized_base: bool, use_vllm: bool, target_parameters: bool
-) -> None:
-    """ValueError with the sentence to show."""
-    if cfg.loftq_bits is None:
-        return
-    if adapter != "lora" or quantized_base:
-        raise ValueError(
-            "peft.loftq_config starts a LoRA adapter from the rounding error of a full-precision base (PEFT's "
-            "LoftQ, as Axolotl applies it with `adapter: lora`): it goes with `adapter: lora` and no "
-            "load_in_4bit / load_in_8bit"
-        )
-    if target_parameters:
-        raise ValueError(
-            "peft.loftq_config with lora_target_parameters: LoftQ starts LoRA on linear layers (as PEFT's does), "
-            "not on bare expert parameters; remove one of them"
-        )
-    if use_vllm:
-        raise ValueError(
-            "peft.loftq_config with trl.use_vllm: vLLM would add the adapter to the full-precision base it loads, "
-            "not to the rounded base a LoftQ adapter trains on; sample on the training engine (remove use_vllm)"
-        )
+    def check(self) -> None:
+        if self.loftq_bits is None:
+            return
+        if self.adapter != "lora" or self.quantized_base:
+            raise ValueError(
+                "peft.loftq_config starts a LoRA adapter from the rounding error of a full-precision base (PEFT's "
+                "LoftQ, as Axolotl applies it with `adapter: lora`): it goes with `adapter: lora` and no "
+                "load_in_4bit / load_in_8bit"
+            )
+        if self.lora_target_parameters:
+            raise ValueError(
+                "peft.loftq_config with lora_target_parameters: LoftQ starts LoRA on linear layers (as PEFT's "
+                "does), not on bare expert parameters; remove one of them"
+            )

@@ -1,19 +1,22 @@
 """The config keys of preference training (`rl: dpo | ipo | orpo | simpo | kto`), with Axolotl's names and TRL's
-defaults, and the dataset types each `rl` reads. `Config` inherits the keys; its cross-key rules call
-`check_preference_keys`."""
+defaults, and the dataset types each `rl` reads."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from hanzo_gym.config.dataset_types import KTO_TYPES, PAIR_TYPES, is_user_transform
+from hanzo_gym.config.feature import Feature
 
 PAIR_METHODS = ("dpo", "ipo", "orpo", "simpo")
 PREFERENCE_METHODS = (*PAIR_METHODS, "kto")
 
-class PreferenceKeys(BaseModel):
+_SET_ONLY_FOR_PREFERENCE = ("dpo_beta", "rpo_alpha", "orpo_alpha", "dpo_loss_type", "dpo_loss_weights")
+
+
+class PreferenceKeys(Feature):
     rl_beta: float | None = Field(None, gt=0)  # β of DPO / IPO / KTO / SimPO (TRL's default 0.1)
     dpo_beta: float | None = Field(None, gt=0)  # Axolotl's deprecated name of rl_beta
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # ε of conservative DPO
@@ -46,68 +49,63 @@ class PreferenceKeys(BaseModel):
             terms["sft"] = self.rpo_alpha
         return terms
 
-
-def check_preference_keys(cfg) -> None:
-    """Cross-key rules of preference training; ValueError with the sentence to show."""
-    method = cfg.rl
-    if cfg.dpo_use_weighting and method not in ("dpo", "ipo"):
-        if method not in PREFERENCE_METHODS:
-            raise ValueError(
-                "`dpo_use_weighting` is a preference-training key; it needs `rl: dpo` or `rl: ipo`"
-            )
-        raise ValueError(
-            f"dpo_use_weighting (WPO) applies to rl: dpo or ipo, not rl: {method}: TRL's DPOTrainer has "
-            "`use_weighting`, its ORPO, CPO (SimPO) and KTO trainers have no such option"
-        )
-    if method not in PREFERENCE_METHODS:
-        used = [key for key in _SET_ONLY_FOR_PREFERENCE if getattr(cfg, key) is not None]
-        if used:
-            raise ValueError(
-                f"`{used[0]}` is a preference-training key; it needs `rl: dpo` (or ipo, orpo, …)"
-            )
-        for ds in cfg.datasets:
-            if ds.type in PAIR_TYPES or ds.type in KTO_TYPES:
+    def check(self) -> None:
+        method = self.rl
+        if self.dpo_use_weighting and method not in ("dpo", "ipo"):
+            if method not in PREFERENCE_METHODS:
                 raise ValueError(
-                    f"datasets type `{ds.type}` holds preference data; it needs `rl: dpo` (or ipo, orpo, simpo, kto)"
+                    "`dpo_use_weighting` is a preference-training key; it needs `rl: dpo` or `rl: ipo`"
                 )
-        return
-    if cfg.sample_packing:
-        raise ValueError(f"rl: {method} does not pack samples (chosen and rejected are scored as a pair)")
-    if method == "kto" and cfg.micro_batch_size < 2:
-        raise ValueError(
-            "rl: kto needs micro_batch_size ≥ 2: its KL term pairs each prompt with another example's completion "
-            "of the same micro-batch"
-        )
-    if cfg.rl_beta is not None and cfg.dpo_beta is not None and cfg.rl_beta != cfg.dpo_beta:
-        raise ValueError("rl_beta and dpo_beta (its old name) disagree; give rl_beta only")
-    allowed = KTO_TYPES if method == "kto" else PAIR_TYPES
-    for ds in cfg.datasets:
-        if isinstance(ds.type, str) and ds.type not in allowed and not is_user_transform(ds.type):
             raise ValueError(
-                f"rl: {method} reads datasets of type {', '.join(allowed)}, a transform of your own "
-                f"(module.function) or a `type:` mapping of your format; got `{ds.type}`"
+                f"dpo_use_weighting (WPO) applies to rl: dpo or ipo, not rl: {method}: TRL's DPOTrainer has "
+                "`use_weighting`, its ORPO, CPO (SimPO) and KTO trainers have no such option"
             )
-    if cfg.dpo_loss_type is not None or cfg.dpo_loss_weights is not None:
-        if method != "dpo":
-            raise ValueError(f"dpo_loss_type / dpo_loss_weights apply to rl: dpo, not rl: {method}")
-        types = cfg.dpo_loss_type or []
-        if len([t for t in types if t != "sft"]) != 1 or len(set(types)) != len(types):
+        if method not in PREFERENCE_METHODS:
+            used = [key for key in _SET_ONLY_FOR_PREFERENCE if getattr(self, key) is not None]
+            if used:
+                raise ValueError(
+                    f"`{used[0]}` is a preference-training key; it needs `rl: dpo` (or ipo, orpo, …)"
+                )
+            for ds in self.datasets:
+                if ds.type in PAIR_TYPES or ds.type in KTO_TYPES:
+                    raise ValueError(
+                        f"datasets type `{ds.type}` holds preference data; it needs `rl: dpo` (or ipo, orpo, simpo, kto)"
+                    )
+            return
+        if self.sample_packing:
+            raise ValueError(f"rl: {method} does not pack samples (chosen and rejected are scored as a pair)")
+        if method == "kto" and self.micro_batch_size < 2:
             raise ValueError(
-                "dpo_loss_type is one of sigmoid or ipo, optionally with sft (e.g. [sigmoid, sft])"
+                "rl: kto needs micro_batch_size ≥ 2: its KL term pairs each prompt with another example's completion "
+                "of the same micro-batch"
             )
-        if cfg.dpo_loss_weights is not None and len(cfg.dpo_loss_weights) != len(types):
-            raise ValueError("dpo_loss_weights needs one weight per dpo_loss_type entry")
-        if "sft" in types and cfg.rpo_alpha is not None:
-            raise ValueError("rpo_alpha and dpo_loss_type `sft` both weight the chosen NLL; give one of them")
-    if cfg.dpo_label_smoothing and method != "dpo":
-        raise ValueError(f"dpo_label_smoothing applies to rl: dpo (sigmoid), not rl: {method}")
-    if cfg.dpo_label_smoothing and "ipo" in cfg.dpo_terms:
-        raise ValueError("dpo_label_smoothing does not apply to the ipo loss")
-    if cfg.dpo_use_weighting and "sft" in cfg.dpo_terms:
-        raise ValueError(
-            "dpo_use_weighting with the chosen NLL (rpo_alpha, or dpo_loss_type sft) has no TRL behaviour to "
-            "follow: TRL 1.16's DPOTrainer fails on that combination; drop one of them"
-        )
-
-
-_SET_ONLY_FOR_PREFERENCE = ("dpo_beta", "rpo_alpha", "orpo_alpha", "dpo_loss_type", "dpo_loss_weights")
+        if self.rl_beta is not None and self.dpo_beta is not None and self.rl_beta != self.dpo_beta:
+            raise ValueError("rl_beta and dpo_beta (its old name) disagree; give rl_beta only")
+        allowed = KTO_TYPES if method == "kto" else PAIR_TYPES
+        for ds in self.datasets:
+            if isinstance(ds.type, str) and ds.type not in allowed and not is_user_transform(ds.type):
+                raise ValueError(
+                    f"rl: {method} reads datasets of type {', '.join(allowed)}, a transform of your own "
+                    f"(module.function) or a `type:` mapping of your format; got `{ds.type}`"
+                )
+        if self.dpo_loss_type is not None or self.dpo_loss_weights is not None:
+            if method != "dpo":
+                raise ValueError(f"dpo_loss_type / dpo_loss_weights apply to rl: dpo, not rl: {method}")
+            types = self.dpo_loss_type or []
+            if len([t for t in types if t != "sft"]) != 1 or len(set(types)) != len(types):
+                raise ValueError(
+                    "dpo_loss_type is one of sigmoid or ipo, optionally with sft (e.g. [sigmoid, sft])"
+                )
+            if self.dpo_loss_weights is not None and len(self.dpo_loss_weights) != len(types):
+                raise ValueError("dpo_loss_weights needs one weight per dpo_loss_type entry")
+            if "sft" in types and self.rpo_alpha is not None:
+                raise ValueError("rpo_alpha and dpo_loss_type `sft` both weight the chosen NLL; give one of them")
+        if self.dpo_label_smoothing and method != "dpo":
+            raise ValueError(f"dpo_label_smoothing applies to rl: dpo (sigmoid), not rl: {method}")
+        if self.dpo_label_smoothing and "ipo" in self.dpo_terms:
+            raise ValueError("dpo_label_smoothing does not apply to the ipo loss")
+        if self.dpo_use_weighting and "sft" in self.dpo_terms:
+            raise ValueError(
+                "dpo_use_weighting with the chosen NLL (rpo_alpha, or dpo_loss_type sft) has no TRL behaviour to "
+                "follow: TRL 1.16's DPOTrainer fails on that combination; drop one of them"
+            )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-from pydantic import BaseModel, model_validator
+from hanzo_gym.config.feature import Feature
 
 # tracker → (the module it needs, the extra that installs it, its name in messages)
 TRACKER_LIBRARIES = {
@@ -38,9 +38,7 @@ def installed(module: str) -> bool:
         return False
 
 
-class TrackingKeys(BaseModel):
-    """The tracking keys of `Config` (a base class of it, so they sit at the top level as in Axolotl)."""
-
+class TrackingKeys(Feature):
     use_wandb: bool = False
     wandb_project: str | None = None
     wandb_entity: str | None = None
@@ -69,8 +67,7 @@ class TrackingKeys(BaseModel):
         on = {"wandb": self.wandb_on, "tensorboard": self.use_tensorboard, "mlflow": self.mlflow_on}
         return [name for name, wanted in on.items() if wanted]
 
-    @model_validator(mode="after")
-    def _tracking_rules(self) -> TrackingKeys:
+    def check(self) -> None:
         asked = bool(self.wandb_project or self.use_wandb)
         idle = [key for key in _WANDB_ONLY_WHEN_ON if getattr(self, key) not in (None, False, "false")]
         if not asked and idle:
@@ -104,4 +101,3 @@ class TrackingKeys(BaseModel):
                     for name in missing
                 )
             )
-        return self

@@ -18,6 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hanzo_gym.config.feature import Feature
+
 # What a user types where vLLM is missing (the CPU build also needs the CUDA-only vision packages it pulls
 # removed: a text model uses none of them, and they fail to load against the CPU build of torch).
 INSTALL_VLLM = (
@@ -113,7 +115,48 @@ def vllm_settings(trl: VllmTrlKeys, section: VllmSection | None) -> VllmSettings
     )
 
 
-def check_vllm_keys(trl: VllmTrlKeys, section: VllmSection | None, rl: str | None) -> None:
+class VllmKeys(Feature):
+    vllm: VllmSection | None = None  # Axolotl's `vllm:` block (GRPO rollouts on vLLM)
+
+    def check(self) -> None:
+        """The `trl:` vLLM keys and the `vllm:` block, then what vLLM cannot be handed: a policy that is not a
+        LoRA adapter of linear layers over the base it loads."""
+        if self.trl.use_vllm:
+            self._check_policy_for_vllm()
+        _check_trl_vllm_keys(self.trl, self.vllm, self.rl)
+        if self.trl.use_vllm and self.loftq_bits is not None:
+            raise ValueError(
+                "peft.loftq_config with trl.use_vllm: vLLM would add the adapter to the full-precision base it "
+                "loads, not to the rounded base a LoftQ adapter trains on; sample on the training engine (remove "
+                "use_vllm)"
+            )
+
+    def _check_policy_for_vllm(self) -> None:
+        if self.full_fine_tuning and self.rl == "grpo":
+            raise ValueError(
+                "full fine-tuning (no `adapter`) with trl.use_vllm: vLLM is handed the trained weights as a LoRA "
+                "adapter, and a fully trained model has none; sample on the training engine (remove use_vllm) or "
+                "set `adapter: lora`"
+            )
+        if self.quantized_base and self.trl.vllm_mode != "colocate":
+            raise ValueError(
+                "`trl.use_vllm` in server mode with a 4- or 8-bit base: the server adds each adapter to the "
+                "full-precision base it loaded, not to the quantized one the adapter trains on; use "
+                "`trl.vllm_mode: colocate` (which hands vLLM the dequantized base) or `adapter: lora`"
+            )
+        if self.lora_target_parameters:
+            raise ValueError(
+                "`lora_target_parameters` with trl.use_vllm: vLLM loads LoRA adapters of linear layers, not of "
+                "bare expert parameters; sample on the training engine (remove use_vllm) or adapt linear layers only"
+            )
+        if self.llama4_linearized_experts:
+            raise ValueError(
+                "llama4_linearized_experts with trl.use_vllm: vLLM loads Llama 4's experts stacked, not as the "
+                "linear layers this run trains over; sample on the training engine (remove use_vllm)"
+            )
+
+
+def _check_trl_vllm_keys(trl: VllmTrlKeys, section: VllmSection | None, rl: str | None) -> None:
     """ValueError for vLLM keys that would do nothing or cannot work: keys without `use_vllm`, vLLM for a
     method that samples nothing, the other mode's keys, a missing vLLM install."""
     # (a value, not just a key: a dumped config writes every key, unset ones as null)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hanzo_gym.config.dataset_keys import DatasetTypeMapping
 from hanzo_gym.config.dataset_types import is_user_transform
-from hanzo_gym.config.schema import DatasetTypeMapping
 from hanzo_gym.data.sources import Row
 from hanzo_gym.data.user_transforms import RowTransform, load_user_transform
 from hanzo_gym.errors import DataError

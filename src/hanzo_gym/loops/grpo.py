@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from hanzo_gym.config import Config
-from hanzo_gym.config.schema import TrlConfig
+from hanzo_gym.config.grpo_keys import TrlConfig
 from hanzo_gym.data.batching import epoch_order
 from hanzo_gym.data.prompts import Prompt
 from hanzo_gym.engine import Engine, ForwardBackwardOutput

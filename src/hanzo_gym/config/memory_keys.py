@@ -1,0 +1,32 @@
+"""Axolotl's keys of activation memory: recomputing layers in the backward pass (`gradient_checkpointing`, with
+torch's kind in `gradient_checkpointing_kwargs`) and keeping saved activations in host memory until the backward
+pass needs them (`activation_offloading`; model/loader_keys.py and loops/train.py act on them)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from hanzo_gym.config.feature import Feature, StrictKeys
+
+
+class CheckpointingKwargs(StrictKeys):
+    """Axolotl's `gradient_checkpointing_kwargs`: which of torch's checkpointing kinds recomputes the layers."""
+
+    use_reentrant: bool = False
+
+
+class MemoryKeys(Feature):
+    # `offload`: Axolotl's older spelling of true plus activation_offloading
+    gradient_checkpointing: bool | Literal["offload"] = False
+    gradient_checkpointing_kwargs: CheckpointingKwargs = CheckpointingKwargs()
+    # saved activations in host memory until the backward pass; legacy / hidden_states are Axolotl's variants
+    activation_offloading: bool | Literal["legacy", "hidden_states"] = False
+
+    def check(self) -> None:
+        if self.gradient_checkpointing == "offload":  # Axolotl's normalization of its older spelling
+            self.gradient_checkpointing, self.activation_offloading = True, True
+        if self.activation_offloading and not self.gradient_checkpointing:
+            raise ValueError(
+                "activation_offloading needs `gradient_checkpointing: true`, as in Axolotl: set it, or remove "
+                "activation_offloading"
+            )

@@ -1,0 +1,86 @@
+"""The tokenizer and how conversations become tokens: where the tokenizer comes from (`tokenizer_config`, or
+Mistral's own library), which tokens play the special roles, tokens added to the vocabulary (and the embedding
+growth that follows), the chat template and the tokens that end a turn. model/hub.py and renderers/ act on them."""
+
+from __future__ import annotations
+
+from pydantic import field_validator
+
+from hanzo_gym.config.axolotl_keys import close_misspelling
+from hanzo_gym.config.feature import Feature, StrictKeys
+
+
+class SpecialTokens(StrictKeys):
+    """Axolotl's `special_tokens`: which of the tokenizer's tokens play these roles."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+
+
+class TokenizerKeys(Feature):
+    tokenizer_config: str | None = None
+    tokenizer_type: str | None = None  # Axolotl's tokenizer class, checked against what loads
+    # Mistral's own tokenizer library encodes the chats (Axolotl's default: on for a Magistral model)
+    tokenizer_use_mistral_common: bool | None = None
+    special_tokens: SpecialTokens | None = None
+    tokens: list[str] | None = None  # added to the vocabulary (their embeddings must train)
+    resize_token_embeddings_to_32x: bool = False  # Axolotl's: grow the embeddings to a multiple of 32 rows
+    chat_template: str | None = None
+    # the tokens that end a turn, trained with it (renderers/chat_templates.py)
+    eot_tokens: list[str] | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_chat_template(cls, value: str | None) -> str | None:
+        from hanzo_gym.renderers.chat_templates import (
+            FALLBACK_PREFIX,
+            TOKENIZER_DEFAULT,
+            is_jinja,
+            template_names,
+        )
+
+        if value is None or is_jinja(value):
+            return value
+        name = value.removeprefix(FALLBACK_PREFIX)
+        if value != TOKENIZER_DEFAULT and name not in template_names():
+            close = close_misspelling(name, template_names())
+            hint = f"did you mean `{close}`? " if close else ""
+            raise ValueError(
+                f"unknown template; {hint}use {TOKENIZER_DEFAULT}, {FALLBACK_PREFIX}<name>, inline Jinja, "
+                f"or one of {', '.join(template_names())}"
+            )
+        return value
+
+    @property
+    def uses_mistral_common(self) -> bool:
+        """Axolotl's rule: `tokenizer_use_mistral_common`, and when unset, on for a Magistral model."""
+        if self.tokenizer_use_mistral_common is not None:
+            return self.tokenizer_use_mistral_common
+        names = (self.base_model, self.tokenizer_config or "")
+        return any("magistral" in name.lower() for name in names)
+
+    @property
+    def special_token_roles(self) -> dict[str, str]:
+        """`special_tokens` as role → token text, the roles set only."""
+        return self.special_tokens.model_dump(exclude_none=True) if self.special_tokens else {}
+
+    def check(self) -> None:
+        if self.uses_mistral_common:
+            self._check_mistral_common()
+
+    def _check_mistral_common(self) -> None:
+        """What Axolotl refuses beside mistral-common's tokenizer, whose vocabulary and chat format are its own."""
+        refused = {
+            "special_tokens": self.special_tokens is not None,
+            "tokens": bool(self.tokens),
+            "chat_template": self.chat_template is not None,
+            "eot_tokens": bool(self.eot_tokens),
+        }
+        for key, given in refused.items():
+            if given:
+                raise ValueError(
+                    f"`{key}` with tokenizer_use_mistral_common: mistral-common's tokenizer fixes the vocabulary, "
+                    "its special tokens and how chats are written (Axolotl refuses this too); remove it"
+                )
