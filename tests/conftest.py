@@ -3,17 +3,22 @@ word-level ChatML tokenizer whose token positions are easy to count by hand."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from hanzo_gym.model import hub as model_hub
 from hanzo_gym.renderers.chat_templates import CHATML
@@ -58,6 +63,130 @@ WORD_TOKENIZER_WORDS = [
     "f",
     "g",
 ]
+
+
+TESTS = Path(__file__).parent
+
+# The quick tier (`make test-quick`): the tests whose code, fixtures and the suite's functions they use (followed
+# name by name) name no transformers model class, no `subprocess` and not the CLI's `main`. A quick test that
+# builds a model or starts Python all the same fails (`_quick_stays_quick`): what the names miss shows at once.
+NOT_QUICK_MARKERS = ("real_model", "slow", "vllm")
+
+
+def pytest_collection_modifyitems(session, items):
+    for item in items:
+        if any(item.get_closest_marker(name) for name in NOT_QUICK_MARKERS):
+            continue
+        if not _HeavyWalk(functools.partial(session._fixturemanager.getfixturedefs, node=item)).test(item):
+            item.add_marker(pytest.mark.quick)
+
+
+class _HeavyWalk:
+    """Whether a test's code reaches something heavy, through the suite's functions and classes it names, the
+    fixtures they take and the fixtures they ask for by name (`request.getfixturevalue("tiny_base")`)."""
+
+    def __init__(self, fixturedefs):
+        self.fixturedefs = fixturedefs
+        self.seen_objects: set[int] = set()
+        self.seen_fixtures: set[str] = set()
+
+    def test(self, item) -> bool:
+        params = item.callspec.params.values() if hasattr(item, "callspec") else ()
+        return (
+            self.reaches(item.obj)
+            or self.reaches(getattr(item, "cls", None))  # a test class's own helper methods
+            or any(map(self.fixture, item.fixturenames))
+            or any(map(self.reaches, params))
+        )
+
+    def fixture(self, name: str) -> bool:
+        if name == "_quick_stays_quick" or name in self.seen_fixtures:
+            return False
+        self.seen_fixtures.add(name)
+        defs = self.fixturedefs(name)
+        return bool(defs) and (self.reaches(defs[-1].func) or any(map(self.fixture, defs[-1].argnames)))
+
+    def reaches(self, value) -> bool:
+        if _is_heavy(value):
+            return True
+        if not (inspect.isfunction(value) or inspect.ismethod(value) or inspect.isclass(value)):
+            return False
+        value = inspect.unwrap(getattr(value, "__func__", value))
+        if not _in_suite(value) or id(value) in self.seen_objects:
+            return False
+        self.seen_objects.add(id(value))
+        if inspect.isclass(value):
+            return any(map(self.reaches, vars(value).values()))
+        names, strings = _names(value.__code__)
+        for name in names:
+            found = value.__globals__.get(name, sys.modules.get(name))
+            named = [found]
+            # `module.attribute`, or `from module import attribute` in a function's body
+            if isinstance(found, ModuleType):
+                named += [getattr(found, attribute, None) for attribute in names]
+            if any(map(self.reaches, named)):
+                return True
+        return any(map(self.fixture, strings))
+
+
+def _is_heavy(value) -> bool:
+    """A transformers model class, `subprocess` or what it holds, or the CLI's `main`."""
+    module = getattr(value, "__module__", None)
+    if value is subprocess or module == "subprocess":
+        return True
+    if isinstance(value, type):
+        return issubclass(value, PreTrainedModel) or value.__name__.startswith("AutoModel")
+    return module == "hanzo_gym.cli" and getattr(value, "__name__", None) == "main"
+
+
+def _in_suite(value) -> bool:
+    if inspect.isclass(value):
+        path = getattr(sys.modules.get(value.__module__), "__file__", None)
+    else:
+        path = getattr(getattr(value, "__code__", None), "co_filename", None)
+    return path is not None and Path(path).is_relative_to(TESTS)
+
+
+def _names(code) -> tuple[set[str], set[str]]:
+    """The global and attribute names, and the identifier-like strings, of `code` and the functions and lambdas
+    inside it."""
+    names = set(code.co_names)
+    strings = {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
+    for constant in code.co_consts:
+        if inspect.iscode(constant):
+            inner_names, inner_strings = _names(constant)
+            names |= inner_names
+            strings |= inner_strings
+    return names, strings
+
+
+@pytest.fixture(autouse=True)
+def _quick_stays_quick(request, monkeypatch):
+    """A quick test fails if it builds a model or starts a Python process (the CLI, torchrun): what the quick
+    tier's rule missed. Libraries' own helper processes (wandb's service, `uname`) are left alone."""
+    if request.node.get_closest_marker("quick") is None:
+        return
+
+    def refuse(what):
+        raise AssertionError(
+            f"a quick test {what}: do it through a fixture or helper of the suite (conftest.py, tiny_models.py, "
+            "tinker_serve.py), so that the quick tier's rule leaves the test out"
+        )
+
+    def no_model(*args, **kwargs):
+        refuse("builds a model")
+
+    popen = subprocess.Popen.__init__
+
+    def no_python_process(process, args, *rest, **kwargs):
+        command = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = Path(os.fsdecode(command[0]).split()[0]).name if command and command[0] else ""
+        if program.startswith(("python", "torchrun", "gym")):
+            refuse(f"starts {program}")
+        popen(process, args, *rest, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "__init__", no_model)
+    monkeypatch.setattr(subprocess.Popen, "__init__", no_python_process)
 
 
 def _package_dir(name: str) -> Path:

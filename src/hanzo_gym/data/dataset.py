@@ -11,7 +11,7 @@ import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.config.dataset_types import is_user_transform
@@ -25,6 +25,8 @@ from hanzo_gym.renderers.chat_templates import resolve_renderer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+Item = TypeVar("Item")
 
 
 @dataclass
@@ -70,13 +72,8 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
         examples.extend(kept)
         stats.append(ds_stats)
     stats.append(total_stats(stats))
-    duplicates = 0
-    if cfg.dataset_exact_deduplication:
-        examples, duplicates = without_duplicates(examples)
-    if cfg.shuffles_at_load:
-        random.Random(cfg.seed).shuffle(examples)
-    train_count = len(examples) - validation_count(cfg.val_set_size, len(examples))
-    return LoadedData(examples[:train_count], examples[train_count:], stats, duplicates)
+    train, val, duplicates = dedupe_shuffle_split(examples, cfg)
+    return LoadedData(train, val, stats, duplicates)
 
 
 def examples_from_rows(
@@ -113,6 +110,21 @@ def examples_from_rows(
         stats.tokens += len(example)
         stats.trained_tokens += example.trained_tokens
     return kept, stats
+
+
+def dedupe_shuffle_split(items: list[Item], cfg: Config) -> tuple[list[Item], list[Item], int]:
+    """Training's and validation's items (SFT examples, RL prompts or preference pairs), and how many exact
+    duplicates were left out. Duplicates go first (`dataset_exact_deduplication`), so neither split repeats an
+    item; then the shuffle with `seed` (unless `shuffles_at_load` is off); validation is the last
+    `val_set_size` items."""
+    duplicates = 0
+    if cfg.dataset_exact_deduplication:
+        items, duplicates = without_duplicates(items)
+    items = list(items)  # the caller's list keeps its order
+    if cfg.shuffles_at_load:
+        random.Random(cfg.seed).shuffle(items)
+    train_count = len(items) - validation_count(cfg.val_set_size, len(items))
+    return items[:train_count], items[train_count:], duplicates
 
 
 def validation_count(val_set_size: float, n: int) -> int:

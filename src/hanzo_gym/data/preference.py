@@ -18,14 +18,12 @@ model sees at training. Pairs longer than `sequence_len` are dropped (Axolotl's 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hanzo_gym.config import Config, DatasetConfig
-from hanzo_gym.data.dataset import DatasetStats, total_stats, validation_count
-from hanzo_gym.data.deduplicate import without_duplicates
+from hanzo_gym.data.dataset import DatasetStats, dedupe_shuffle_split, total_stats
 from hanzo_gym.data.preference_transforms import as_passthrough
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import StrategyContext
@@ -370,15 +368,8 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
         kept, ds_stats = items_from_rows(rows, ds, ctx, cfg.sequence_len, strategy, kto=cfg.rl == "kto")
         pairs.extend(kept)
         stats.append(ds_stats)
-    duplicates = 0
-    if cfg.dataset_exact_deduplication:
-        pairs, duplicates = without_duplicates(pairs)
-    if cfg.shuffles_at_load:
-        random.Random(cfg.seed).shuffle(pairs)
-    train_count = len(pairs) - validation_count(cfg.val_set_size, len(pairs))
-    return LoadedPreferences(
-        pairs[:train_count], pairs[train_count:], [*stats, total_stats(stats)], duplicates
-    )
+    train, val, duplicates = dedupe_shuffle_split(pairs, cfg)
+    return LoadedPreferences(train, val, [*stats, total_stats(stats)], duplicates)
 
 
 def _where(row: Row) -> str:

@@ -3,14 +3,12 @@ the rewards compare against."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.config.dataset_types import is_user_transform
-from hanzo_gym.data.dataset import validation_count
-from hanzo_gym.data.deduplicate import without_duplicates
+from hanzo_gym.data.dataset import dedupe_shuffle_split
 from hanzo_gym.data.sources import Row, read_rows
 from hanzo_gym.data.strategies import canonical_role, chat_messages, instruction_prompt
 from hanzo_gym.data.user_transforms import load_user_transform
@@ -133,10 +131,5 @@ def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPromp
                 dropped += 1  # a cut prompt would ask a different question: drop it
                 continue
             prompts.append(prompt)
-    duplicates = 0
-    if cfg.dataset_exact_deduplication:
-        prompts, duplicates = without_duplicates(prompts)
-    if cfg.shuffles_at_load:
-        random.Random(cfg.seed).shuffle(prompts)
-    train_count = len(prompts) - validation_count(cfg.val_set_size, len(prompts))
-    return LoadedPrompts(prompts[:train_count], prompts[train_count:], dropped, duplicates)
+    train, val, duplicates = dedupe_shuffle_split(prompts, cfg)
+    return LoadedPrompts(train, val, dropped, duplicates)

@@ -47,6 +47,9 @@ from hanzo_gym.rewards import (
 )
 from hanzo_gym.rollout import RolloutSampler, rollout_sampler
 
+# step k of a run with seed s samples with s·stride + k: runs of neighbouring seeds share no step's stream (while a
+# run has fewer steps than the stride)
+RUN_SEED_STRIDE = 1_000_003
 RANK_SEED_STRIDE = 1_000_000_007  # rank r samples with seed + r·stride: no two processes share a stream
 
 
@@ -227,7 +230,7 @@ def _train(
                 [train[i] for i in order[index * prompts_per_step : (index + 1) * prompts_per_step]]
             )
             clock = time.perf_counter()
-            seed = cfg.seed * 1_000_003 + step + rank() * RANK_SEED_STRIDE
+            seed = cfg.seed * RUN_SEED_STRIDE + step + rank() * RANK_SEED_STRIDE
             # (a process can be left without prompts in an epoch's last, short step)
             samples_P_G = (
                 sampler.sample([p.tokens for p in prompts_P], trl.num_generations, _sampling(cfg, seed))
