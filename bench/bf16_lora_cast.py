@@ -30,13 +30,23 @@ def main() -> None:
 
     from hanzo_gym.engine import Engine
     from hanzo_gym.model.hub import load_causal_lm, real_model_gguf, resolve_model
+    from hanzo_gym.model.load_plan import BaseModelPlan
     from hanzo_gym.model.lora import attach_lora
     from hanzo_gym.records import Datum, ModelInput
 
     model_path = opts.model or str(resolve_model(str(real_model_gguf())))
-    model = load_causal_lm(model_path, torch.bfloat16)
+    model = load_causal_lm(BaseModelPlan.of(model_path, torch.bfloat16))
     vocab = model.get_input_embeddings().num_embeddings
-    engine = Engine(attach_lora(model, opts.rank, opts.rank, 0.0, "all-linear", model_path))
+    engine = Engine(
+        attach_lora(
+            model,
+            r=opts.rank,
+            alpha=opts.rank,
+            dropout=0.0,
+            target_modules="all-linear",
+            base_model_name=model_path,
+        )
+    )
     mixed = engine.autocast_dtype
     rng = random.Random(0)
 

@@ -30,11 +30,19 @@ def main() -> None:
     from hanzo_gym.engine import Engine, sampling
     from hanzo_gym.engine import decoding as decoding_module
     from hanzo_gym.model.hub import load_causal_lm, load_tokenizer, real_model_gguf, resolve_model
+    from hanzo_gym.model.load_plan import BaseModelPlan
     from hanzo_gym.model.lora import attach_lora
     from hanzo_gym.records import Datum, ModelInput, SamplingParams
 
     path = opts.model or str(resolve_model(str(real_model_gguf())))
-    model = attach_lora(load_causal_lm(path, torch.bfloat16), 16, 32, 0.0, "all-linear", path)
+    model = attach_lora(
+        load_causal_lm(BaseModelPlan.of(path, torch.bfloat16)),
+        r=16,
+        alpha=32,
+        dropout=0.0,
+        target_modules="all-linear",
+        base_model_name=path,
+    )
     torch.manual_seed(0)
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -131,6 +131,7 @@ def run_ours(model_dir: str, data_path: str, work_dir: str, steps: int, pairs: i
     from hanzo_gym.loops.run_dir import RunDir
     from hanzo_gym.loops.train import build_engine
     from hanzo_gym.model.hub import load_tokenizer
+    from hanzo_gym.model.load_plan import LoadPlan
 
     cfg = parse_config(
         {
@@ -161,7 +162,7 @@ def run_ours(model_dir: str, data_path: str, work_dir: str, steps: int, pairs: i
     dtype = torch.bfloat16 if bf16 else torch.float32
     tokenizer = load_tokenizer(cfg.base_model)
     train = load_preferences(cfg, tokenizer).train
-    engine = build_engine(cfg, torch.device("cpu"), dtype, tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), dtype), tokenizer)
     run = RunDir(cfg.output_dir)
     loaded_rss = peak_rss_bytes()
     torch.manual_seed(cfg.seed)

@@ -194,6 +194,7 @@ def run_ours(
     from hanzo_gym.loops.run_dir import RunDir
     from hanzo_gym.loops.train import build_engine
     from hanzo_gym.model.hub import load_tokenizer
+    from hanzo_gym.model.load_plan import LoadPlan
 
     cfg = parse_config(
         {
@@ -235,7 +236,7 @@ def run_ours(
     tokenizer = load_tokenizer(cfg.base_model)
     train = load_prompts(cfg, tokenizer).train
     dtype = torch.bfloat16 if bf16 else torch.float32
-    engine = build_engine(cfg, torch.device("cpu"), dtype, tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), dtype), tokenizer)
     run = RunDir(cfg.output_dir)
     loaded_rss = peak_rss_bytes()
     torch.manual_seed(cfg.seed)

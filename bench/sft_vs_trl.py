@@ -166,6 +166,7 @@ def run_ours(
     from hanzo_gym.loops.sft import train_sft
     from hanzo_gym.loops.train import build_engine
     from hanzo_gym.model.hub import load_tokenizer
+    from hanzo_gym.model.load_plan import LoadPlan
 
     lora = {"adapter": "lora", "lora_r": LORA_R, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0}
     cfg = parse_config(
@@ -189,7 +190,9 @@ def run_ours(
     )
     tokenizer = load_tokenizer(cfg.base_model)
     train = load_examples(cfg, tokenizer).train
-    engine = build_engine(cfg, torch.device("cpu"), torch.bfloat16 if bf16 else torch.float32)
+    engine = build_engine(
+        cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.bfloat16 if bf16 else torch.float32)
+    )
     base_dtypes = {
         str(p.dtype).removeprefix("torch.") for p in engine.model.parameters() if not p.requires_grad
     }

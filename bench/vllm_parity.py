@@ -76,13 +76,16 @@ def measure(dtype: str, prompts: int, tokens: int) -> dict:
     from hanzo_gym.config import load_config
     from hanzo_gym.loops.train import build_engine
     from hanzo_gym.model.hub import load_tokenizer, real_model_gguf
+    from hanzo_gym.model.load_plan import LoadPlan
     from hanzo_gym.records import Datum, SamplingParams
     from hanzo_gym.rollout import rollout_sampler
 
     work = Path(tempfile.mkdtemp(prefix="vllm-parity-"))
     cfg = load_config(_config(work, real_model_gguf(), dtype))
     tokenizer = load_tokenizer(cfg.base_model)
-    engine = build_engine(cfg, torch.device("cpu"), getattr(torch, dtype), tokenizer)
+    engine = build_engine(
+        cfg, LoadPlan.from_config(cfg, torch.device("cpu"), getattr(torch, dtype)), tokenizer
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in engine.model.named_parameters():

@@ -11,7 +11,7 @@ from tiny_models import VOCAB, tiny_model
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine import engine as engine_module
 from hanzo_gym.engine.offload import HostOffload
-from hanzo_gym.loops.train import activation_memory_plan
+from hanzo_gym.model.load_plan import activation_memory_plan
 from hanzo_gym.model.lora import attach_lora
 from hanzo_gym.records import Datum, ModelInput
 
@@ -58,7 +58,14 @@ def test_an_offloading_engine_trains_to_the_same_gradients(checkpointing, monkey
     monkeypatch.setattr(engine_module, "HostOffload", Recorded)
     grads = []
     for offloading in (False, True):
-        model = attach_lora(tiny_model("llama", hidden_size=64), 4, 8.0, 0.0, "all-linear", "tiny")
+        model = attach_lora(
+            tiny_model("llama", hidden_size=64),
+            r=4,
+            alpha=8.0,
+            dropout=0.0,
+            target_modules="all-linear",
+            base_model_name="tiny",
+        )
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         engine = Engine(model, activation_offloading=offloading)

@@ -195,8 +195,20 @@ def test_a_huge_lora_rank_is_refused_before_anything_is_allocated():
     with torch.device("meta"):
         model = tiny_model("qwen3")
         with pytest.raises(ModelError, match="lora_r .* 100000000 .* at most 16"):
-            attach_lora(model, 100_000_000, 16.0, 0.0, "all-linear", "tiny")
-        assert attach_lora(model, 16, 16.0, 0.0, "all-linear", "tiny") is not None
+            attach_lora(
+                model,
+                r=100_000_000,
+                alpha=16.0,
+                dropout=0.0,
+                target_modules="all-linear",
+                base_model_name="tiny",
+            )
+        assert (
+            attach_lora(
+                model, r=16, alpha=16.0, dropout=0.0, target_modules="all-linear", base_model_name="tiny"
+            )
+            is not None
+        )
 
 
 def test_a_data_row_nested_two_hundred_thousand_deep_names_the_file_and_line(

@@ -24,6 +24,7 @@ from hanzo_gym.engine.decoding import decoding
 from hanzo_gym.engine.token_logprobs import token_logprobs
 from hanzo_gym.loops.train import build_engine
 from hanzo_gym.model import hub
+from hanzo_gym.model.load_plan import BaseModelPlan, LoadPlan
 from hanzo_gym.model.lora import attach_lora
 from hanzo_gym.records import AdamParams, Datum, ModelInput, SamplingParams
 
@@ -307,7 +308,7 @@ def test_qlora_computes_in_the_runs_dtype(tmp_path, word_base, chats, word_token
     cfg = parse_config(
         _run_config(word_base, chats, tmp_path / "unused", adapter="qlora", load_in_4bit=True, bf16=True)
     )
-    engine = build_engine(cfg, torch.device("cpu"), torch.bfloat16, word_tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.bfloat16), word_tokenizer)
     quantized = [m for m in engine.model.modules() if isinstance(m, Linear4bit)]
     assert quantized and all(m.compute_dtype == torch.bfloat16 for m in quantized)
     assert all(p.dtype == torch.float32 for p in engine.trainable)
@@ -332,7 +333,14 @@ def real_engines(converted_real_model):
     engines = {}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
-        model = attach_lora(hub.load_causal_lm(model_dir, dtype), 8, 16, 0.0, "all-linear", model_dir)
+        model = attach_lora(
+            hub.load_causal_lm(BaseModelPlan.of(model_dir, dtype)),
+            r=8,
+            alpha=16,
+            dropout=0.0,
+            target_modules="all-linear",
+            base_model_name=model_dir,
+        )
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, parameter in model.named_parameters():

@@ -204,7 +204,9 @@ def test_architectures_that_ignore_packing_get_one_datum_per_pass():
         )
     )
     with pytest.warns(UserWarning, match="one datum per pass"):
-        engine = Engine(attach_lora(opt, 4, 8, 0.0, "all-linear", "opt"))
+        engine = Engine(
+            attach_lora(opt, r=4, alpha=8, dropout=0.0, target_modules="all-linear", base_model_name="opt")
+        )
     assert not engine.packs_datums
     seqs = [list(range(3, 12)), list(range(20, 26))]
     assert [len(g) for g in engine._passes([_datum(s) for s in seqs])] == [1, 1]

@@ -19,6 +19,7 @@ from hanzo_gym.cli import main
 from hanzo_gym.engine.decoding import decoding
 from hanzo_gym.errors import ModelError
 from hanzo_gym.model.hub import load_causal_lm
+from hanzo_gym.model.load_plan import BaseModelPlan, LoadPlan, Quantization
 from hanzo_gym.model.lora import attach_lora
 from hanzo_gym.rollout.policy_weights import merged_weights
 
@@ -42,7 +43,16 @@ def _expert_lora(model, **keys):
     torch.manual_seed(0)  # the A matrices
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peft_model = attach_lora(model, 4, 8, 0.0, ["q_proj"], "tiny", target_parameters=EXPERTS, **keys)
+        peft_model = attach_lora(
+            model,
+            r=4,
+            alpha=8,
+            dropout=0.0,
+            target_modules=["q_proj"],
+            base_model_name="tiny",
+            target_parameters=EXPERTS,
+            **keys,
+        )
     _with_random_b(peft_model)
     return peft_model
 
@@ -95,11 +105,11 @@ def test_over_quantized_experts_the_adapter_computes_what_it_does_over_their_deq
     forward must add it once and take it away again (PEFT 0.21.2 left one behind per forward)."""
     from torch.nn.utils import parametrize
 
-    keys = {"load_in_4bit": True} if bits == 4 else {"load_in_8bit": True}
-    quantized = _expert_lora(
-        load_causal_lm(str(tiny_moe_base), torch.float32, quantize_moe_experts=True, **keys)
+    plan = BaseModelPlan.of(
+        str(tiny_moe_base), torch.float32, quantization=Quantization(bits, moe_experts=True)
     )
-    plain = _expert_lora(load_causal_lm(str(tiny_moe_base), torch.float32, quantize_moe_experts=True, **keys))
+    quantized = _expert_lora(load_causal_lm(plan))
+    plain = _expert_lora(load_causal_lm(plan))
     for path in EXPERT_PATHS:  # the same quantized values, as plain tensors
         owner, _, name = path.rpartition(".")
         experts = plain.get_base_model().get_submodule(owner).get_base_layer()
@@ -135,7 +145,7 @@ def test_over_quantized_experts_the_adapter_computes_what_it_does_over_their_deq
 
 
 def test_the_sampler_folds_the_experts_delta_and_puts_the_stacks_back(tiny_moe_base):
-    model = _expert_lora(load_causal_lm(str(tiny_moe_base), torch.float32))
+    model = _expert_lora(load_causal_lm(BaseModelPlan.of(str(tiny_moe_base), torch.float32)))
     stack = model.get_base_model().model.layers[0].mlp.experts.get_base_layer()
     originals = (stack.gate_up_proj, stack.down_proj)
     with torch.no_grad():
@@ -148,7 +158,7 @@ def test_the_sampler_folds_the_experts_delta_and_puts_the_stacks_back(tiny_moe_b
 
 
 def test_the_policy_weights_for_vllm_hold_the_experts_delta_as_peft_merges_it(tiny_moe_base):
-    model = _expert_lora(load_causal_lm(str(tiny_moe_base), torch.float32))
+    model = _expert_lora(load_causal_lm(BaseModelPlan.of(str(tiny_moe_base), torch.float32)))
     streamed = dict(merged_weights(model, torch.float32))
     reference = model.merge_and_unload().state_dict()
     assert streamed.keys() == reference.keys()
@@ -161,18 +171,32 @@ def test_what_the_adapter_cannot_target():
         ModelError, match=r"`experts.up_proj` names no parameter of tiny \(its expert parameters "
     ):
         attach_lora(
-            tiny_model("qwen3_moe"), 4, 8, 0.0, ["q_proj"], "tiny", target_parameters=["experts.up_proj"]
+            tiny_model("qwen3_moe"),
+            r=4,
+            alpha=8,
+            dropout=0.0,
+            target_modules=["q_proj"],
+            base_model_name="tiny",
+            target_parameters=["experts.up_proj"],
         )
     with pytest.raises(ModelError, match=r"lora_r \(LoRA rank\) 40 is larger .* a side of 32; set lora_r"):
-        attach_lora(tiny_model("qwen3_moe"), 40, 8, 0.0, [], "tiny", target_parameters=EXPERTS)
+        attach_lora(
+            tiny_model("qwen3_moe"),
+            r=40,
+            alpha=8,
+            dropout=0.0,
+            target_modules=[],
+            base_model_name="tiny",
+            target_parameters=EXPERTS,
+        )
     with pytest.raises(ModelError, match=r"input_layernorm.weight is a 1-D parameter"):
         attach_lora(
             tiny_model("qwen3_moe"),
-            4,
-            8,
-            0.0,
-            ["q_proj"],
-            "tiny",
+            r=4,
+            alpha=8,
+            dropout=0.0,
+            target_modules=["q_proj"],
+            base_model_name="tiny",
             target_parameters=["input_layernorm.weight"],
         )
 
@@ -203,7 +227,8 @@ def test_experts_implementation_reaches_transformers(
     config = write_tiny_run(
         tmp_path, tiny_moe_base, chat_data, experts_implementation=written, **(extra if runs is None else {})
     )
-    engine = build_engine(load_config(config), torch.device("cpu"), torch.float32)
+    cfg = load_config(config)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
     chosen = engine.model.get_base_model().config._experts_implementation
     assert chosen == (runs or "grouped_mm")  # transformers' default where torch has grouped_mm
     if runs is None:

@@ -18,6 +18,7 @@ from hanzo_gym.cli import main
 from hanzo_gym.config import load_config, parse_config
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.loops.train import build_engine
+from hanzo_gym.model.load_plan import LoadPlan
 from hanzo_gym.records import AdamParams, Datum
 
 LORA_KEYS = ("adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_linear")
@@ -36,7 +37,7 @@ def _full_run(tmp_path, base, data, name="run", **overrides):
 def test_one_step_equals_plain_pytorch(tmp_path, tiny_base, chat_data, qwen3_tokenizer):
     cfg = load_config(_full_run(tmp_path, tiny_base, chat_data))
     assert cfg.full_fine_tuning
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
     reference = copy.deepcopy(engine.model)
     assert engine.trainable_parameter_count == sum(p.numel() for p in reference.parameters())
 
@@ -77,12 +78,8 @@ def test_a_kept_reference_scores_with_the_starting_weights_after_steps(
 ):
     """GRPO's KL penalty in full fine-tuning: Engine.keep_reference keeps the weights as they are, and
     forward(reference=True) scores with them however the trained ones move: exactly the starting model's."""
-    engine = build_engine(
-        load_config(_full_run(tmp_path, tiny_base, chat_data)),
-        torch.device("cpu"),
-        torch.float32,
-        qwen3_tokenizer,
-    )
+    cfg = load_config(_full_run(tmp_path, tiny_base, chat_data))
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
     tokens = [qwen3_tokenizer.encode(text) for text in TEXTS]
     datums = [Datum.from_tokens(t[:-1], target_tokens=t[1:], weights=[1.0] * (len(t) - 1)) for t in tokens]
     starting = engine.forward(datums)
@@ -100,7 +97,7 @@ def test_bf16_is_mixed_precision_over_fp32_weights(tmp_path, tiny_base, chat_dat
     cfg = load_config(_full_run(tmp_path, tiny_base, chat_data, bf16=True))
     tokens = [qwen3_tokenizer.encode(text) for text in TEXTS]
     datums = [Datum.from_tokens(t[:-1], target_tokens=t[1:], weights=[1.0] * (len(t) - 1)) for t in tokens]
-    mixed = build_engine(cfg, torch.device("cpu"), torch.bfloat16, qwen3_tokenizer)
+    mixed = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.bfloat16), qwen3_tokenizer)
     assert {p.dtype for p in mixed.trainable} == {
         torch.float32
     }  # the weights it trains, and so AdamW's state
@@ -120,7 +117,7 @@ def test_bf16_is_mixed_precision_over_fp32_weights(tmp_path, tiny_base, chat_dat
     got = torch.cat([p.grad.flatten() for p in mixed.trainable])
     want = torch.cat([p.grad.flatten() for p in reference.parameters()])
     assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
-    fp32 = build_engine(cfg, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    fp32 = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
     assert fp32.forward_backward(datums, "cross_entropy").loss_sum != out.loss_sum  # bf16 matmuls did run
 
     assert (

@@ -16,13 +16,18 @@ from hanzo_gym.data.sources import Row
 from hanzo_gym.data.strategies import StrategyContext, chat_template_example
 from hanzo_gym.errors import ModelError
 from hanzo_gym.model.hub import load_causal_lm
+from hanzo_gym.model.load_plan import BaseModelPlan, Quantization
 from hanzo_gym.model.loader_keys import attention_kernel
 
 MXFP4 = {"model_quantization_config": "Mxfp4Config", "model_quantization_config_kwargs": {"dequantize": True}}
 
 
 def test_the_mxfp4_experts_load_as_the_values_the_format_encodes(tiny_gpt_oss_mxfp4):
-    model = load_causal_lm(str(tiny_gpt_oss_mxfp4.path), torch.float32, mxfp4={"dequantize": True})
+    model = load_causal_lm(
+        BaseModelPlan.of(
+            str(tiny_gpt_oss_mxfp4.path), torch.float32, quantization=Quantization(mxfp4={"dequantize": True})
+        )
+    )
     assert len(tiny_gpt_oss_mxfp4.expert_values) == 4
     for name, values in tiny_gpt_oss_mxfp4.expert_values.items():
         torch.testing.assert_close(model.get_parameter(name), values, rtol=0, atol=0)
@@ -67,7 +72,11 @@ def test_mxfp4_refusals(tiny_base, tmp_path, chat_data):
         model_quantization_config_kwargs={"dequantize": True}
     )
     with pytest.raises(ModelError, match=r"Mxfp4Config reads a checkpoint stored in MXFP4 .* is not one"):
-        load_causal_lm(str(tiny_base), torch.float32, mxfp4={"dequantize": True})
+        load_causal_lm(
+            BaseModelPlan.of(
+                str(tiny_base), torch.float32, quantization=Quantization(mxfp4={"dequantize": True})
+            )
+        )
 
 
 @pytest.mark.parametrize(

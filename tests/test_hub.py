@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 from hanzo_gym.errors import ModelError
 from hanzo_gym.model import hub
+from hanzo_gym.model.load_plan import BaseModelPlan
 
 TINY = {
     "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -78,7 +79,7 @@ def test_local_directory_loads(tmp_path, config_class):
     model_dir = save_tiny_model(tmp_path / "model", config_class(**TINY))
     assert hub.resolve_model(str(model_dir)) == model_dir.resolve()
 
-    model = hub.load_causal_lm(str(model_dir), torch.bfloat16)
+    model = hub.load_causal_lm(BaseModelPlan.of(str(model_dir), torch.bfloat16))
     assert model.dtype == torch.bfloat16
     assert forward_logits(model, [1, 5, 6, 7]).shape == (4, 128)
 
@@ -97,7 +98,7 @@ def test_llama3_rope_scaling_loads(tmp_path):
     )
     model_dir = save_tiny_model(tmp_path / "llama31", config)
 
-    model = hub.load_causal_lm(str(model_dir), torch.float32)
+    model = hub.load_causal_lm(BaseModelPlan.of(str(model_dir), torch.float32))
     assert model.config.rope_parameters["rope_type"] == "llama3"
     logits = forward_logits(model, [1, 5, 6, 7, 8])
     assert logits.shape == (5, 128) and torch.isfinite(logits).all()
@@ -106,14 +107,14 @@ def test_llama3_rope_scaling_loads(tmp_path):
 def test_unknown_model_type_names_it_and_what_is_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not-a-real-arch"}))
     with pytest.raises(ModelError, match="model_type `not-a-real-arch`.*does not know.*any causal LM"):
-        hub.load_causal_lm(str(tmp_path), torch.float32)
+        hub.load_causal_lm(BaseModelPlan.of(str(tmp_path), torch.float32))
 
 
 def test_non_causal_model_type_is_rejected(tmp_path):
     t5 = T5Config(vocab_size=128, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)
     t5.save_pretrained(tmp_path)
     with pytest.raises(ModelError, match="model_type `t5`.*not a causal language model.*any causal LM"):
-        hub.load_causal_lm(str(tmp_path), torch.float32)
+        hub.load_causal_lm(BaseModelPlan.of(str(tmp_path), torch.float32))
 
 
 @pytest.mark.parametrize(
@@ -179,7 +180,7 @@ def test_cached_hub_snapshot_resolves_offline(hub_cache, offline, tiny_llama_dir
     (repo_cache / "refs" / "main").write_text(sha)
 
     assert hub.resolve_model("owner/name") == repo_cache / "snapshots" / sha
-    model = hub.load_causal_lm("owner/name", torch.float32)
+    model = hub.load_causal_lm(BaseModelPlan.of("owner/name", torch.float32))
     assert forward_logits(model, [1, 2, 3]).shape == (3, 128)
     assert hub.load_tokenizer("other/base", tokenizer_config="owner/name").eos_token == "</s>"
 
@@ -288,7 +289,7 @@ def test_real_gguf_converted_logits_match_gguf_model(real):
     )
     tokens = tokenizer(prompt, add_special_tokens=False).input_ids
 
-    converted = hub.load_causal_lm(str(real.gguf), torch.float32)
+    converted = hub.load_causal_lm(BaseModelPlan.of(str(real.gguf), torch.float32))
     assert converted.lm_head.weight.data_ptr() == converted.model.embed_tokens.weight.data_ptr()
     from_gguf = AutoModelForCausalLM.from_pretrained(
         real.gguf.parent, gguf_file=real.gguf.name, dtype=torch.float32
@@ -305,7 +306,7 @@ def test_real_gguf_second_load_hits_cache(real, monkeypatch):
     monkeypatch.setattr(hub, "_dequantize_gguf", must_not_convert)
     started = time.monotonic()
     assert hub.resolve_model(str(real.gguf)) == real.model_dir
-    hub.load_causal_lm(str(real.gguf), torch.float32)
+    hub.load_causal_lm(BaseModelPlan.of(str(real.gguf), torch.float32))
     hub.load_tokenizer(str(real.gguf))
     seconds = time.monotonic() - started
     print(f"\ncached resolve + load_causal_lm + load_tokenizer: {seconds:.1f} s")
@@ -345,8 +346,13 @@ def test_revision_of_model_picks_that_revision_of_a_hub_repo(two_revisions, offl
     assert hub.resolve_model("owner/name") == two_revisions["main"]
     assert hub.resolve_model("owner/name", revision="v2") == two_revisions["v2"]
     assert hub.resolve_model("owner/name", revision=two_revisions["v2 commit"]) == two_revisions["v2"]
-    assert hub.load_causal_lm("owner/name", torch.float32, revision="v2").config.num_hidden_layers == 1
-    assert hub.load_causal_lm("owner/name", torch.float32).config.num_hidden_layers == 2
+    assert (
+        hub.load_causal_lm(
+            BaseModelPlan.of("owner/name", torch.float32, revision="v2")
+        ).config.num_hidden_layers
+        == 1
+    )
+    assert hub.load_causal_lm(BaseModelPlan.of("owner/name", torch.float32)).config.num_hidden_layers == 2
     with pytest.raises(ModelError, match=r"hub repo at revision `v3` is not in the local cache"):
         hub.resolve_model("owner/name", revision="v3")
     with pytest.raises(ModelError, match=r"revision_of_model `v2` picks a revision of a hub repo, but base_model .* "

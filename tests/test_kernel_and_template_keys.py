@@ -15,6 +15,7 @@ from hanzo_gym.config.kernel_keys import CUT_CROSS_ENTROPY, KERNELS, LIGER, kern
 from hanzo_gym.data.sources import Row
 from hanzo_gym.data.strategies import StrategyContext, chat_template_example
 from hanzo_gym.errors import ConfigError, ModelError
+from hanzo_gym.model.load_plan import LoadPlan
 from hanzo_gym.model.lora import attach_lora
 from hanzo_gym.records import IGNORE_INDEX
 from hanzo_gym.renderers.chat_templates import resolve_renderer
@@ -69,7 +70,8 @@ def test_gemma4_hybrid_attention_loads_sdpa_for_every_layer(tmp_path, tiny_base,
     config = write_tiny_run(
         tmp_path, tiny_base, chat_data, attn_implementation="flash_attention_2", gemma4_hybrid_attn_impl=True
     )
-    engine = build_engine(load_config(config), torch.device("cpu"), torch.float32)
+    cfg = load_config(config)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
     assert engine.model.get_base_model().config._attn_implementation == "sdpa"
     printed = capsys.readouterr().out
     assert "gemma4_hybrid_attn_impl: every layer runs sdpa" in printed and "CUDA only" not in printed
@@ -110,7 +112,7 @@ def test_zero_evals_or_saves_per_epoch_ask_for_none_as_in_axolotl(tmp_path):
 def test_a_regular_expression_targets_exactly_the_modules_it_matches_as_in_peft():
     model = tiny_model("llama", num_hidden_layers=3)
     regex = r"model.layers.[02].self_attn.(q|v)_proj"
-    peft_model = attach_lora(model, 4, 8.0, 0.0, regex, "tiny")
+    peft_model = attach_lora(model, r=4, alpha=8.0, dropout=0.0, target_modules=regex, base_model_name="tiny")
     adapted = sorted(
         name.removeprefix("base_model.model.").removesuffix(".lora_A.default")
         for name, _ in peft_model.named_modules()
@@ -119,7 +121,14 @@ def test_a_regular_expression_targets_exactly_the_modules_it_matches_as_in_peft(
     assert adapted == [f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 2) for p in "qv"]
     assert peft_model.peft_config["default"].target_modules == regex  # saved as written, as PEFT does
     with pytest.raises(ModelError, match="at most 16"):  # the rank check sees the matched layers only
-        attach_lora(tiny_model("llama"), 20, 8.0, 0.0, r"model.layers.0.self_attn.k_proj", "tiny")
+        attach_lora(
+            tiny_model("llama"),
+            r=20,
+            alpha=8.0,
+            dropout=0.0,
+            target_modules=r"model.layers.0.self_attn.k_proj",
+            base_model_name="tiny",
+        )
 
 
 def test_a_regular_expression_target_trains_and_is_saved_as_written(tmp_path, tiny_base, chat_data):

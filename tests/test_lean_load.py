@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hanzo_gym.model import hub, lean_load
+from hanzo_gym.model.load_plan import BaseModelPlan
 from tests.tiny_models import tiny_model
 
 PEAK_PROBE = textwrap.dedent(
@@ -19,6 +20,7 @@ PEAK_PROBE = textwrap.dedent(
     import contextlib, sys, torch
     from hanzo_gym.model import hub
     model_dir, mode = sys.argv[1], sys.argv[2]
+    plan = hub.BaseModelPlan.of(model_dir, torch.bfloat16)
     if mode == "mmap":
         hub.reading_tensors_by_pread = lambda *args: contextlib.nullcontext()
     def status(key):
@@ -26,7 +28,7 @@ PEAK_PROBE = textwrap.dedent(
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets the peak resident set (VmHWM) to the current one
     before = status("VmHWM")
-    hub.load_causal_lm(model_dir, torch.bfloat16)
+    hub.load_causal_lm(plan)
     print(status("VmHWM") - before)
     """
 )
@@ -58,7 +60,7 @@ def test_converts_on_load_reads_the_stored_dtypes(fp32_dir, tmp_path):
 
 
 def test_pread_load_gives_the_mapped_loads_weights_bit_for_bit(fp32_dir):
-    ours = hub.load_causal_lm(str(fp32_dir), torch.bfloat16).state_dict()
+    ours = hub.load_causal_lm(BaseModelPlan.of(str(fp32_dir), torch.bfloat16)).state_dict()
     mapped = AutoModelForCausalLM.from_pretrained(fp32_dir, dtype=torch.bfloat16).state_dict()
     assert ours.keys() == mapped.keys()
     for name, tensor in mapped.items():

@@ -19,6 +19,7 @@ from hanzo_gym.model.llama4_experts import (
     linearize_experts,
     loading_linearized_experts,
 )
+from hanzo_gym.model.load_plan import BaseModelPlan, Quantization
 
 TOKENS = torch.tensor([[9707, 11, 1879, 0, 42, 77, 5, 300, 12, 6]])
 
@@ -79,10 +80,17 @@ def test_both_layouts_load_to_the_same_4bit_layers_transformers_makes(tiny_llama
 
     linearized = _linearized_checkpoint(tiny_llama4_base, tmp_path / "linearized")
     from_stacked = load_causal_lm(
-        str(tiny_llama4_base), torch.float32, load_in_4bit=True, linearized_llama4_experts=True
+        BaseModelPlan.of(
+            str(tiny_llama4_base),
+            torch.float32,
+            quantization=Quantization(bits=4),
+            linearized_llama4_experts=True,
+        )
     )
     from_linear = load_causal_lm(
-        str(linearized), torch.float32, load_in_4bit=True, linearized_llama4_experts=True
+        BaseModelPlan.of(
+            str(linearized), torch.float32, quantization=Quantization(bits=4), linearized_llama4_experts=True
+        )
     )
     for ours, theirs in zip(_experts(from_stacked), _experts(from_linear), strict=True):
         for a, b in zip(
@@ -105,7 +113,11 @@ def test_an_8bit_base_holds_the_linear_experts_as_transformers_makes_them(tiny_l
 
     linearized = _linearized_checkpoint(tiny_llama4_base, tmp_path / "linearized")
     models = [
-        load_causal_lm(str(path), torch.float32, load_in_8bit=True, linearized_llama4_experts=True)
+        load_causal_lm(
+            BaseModelPlan.of(
+                str(path), torch.float32, quantization=Quantization(bits=8), linearized_llama4_experts=True
+            )
+        )
         for path in (tiny_llama4_base, linearized)
     ]
     ours, theirs = (_experts(model)[0] for model in models)
@@ -119,7 +131,7 @@ def test_an_8bit_base_holds_the_linear_experts_as_transformers_makes_them(tiny_l
 
 def test_a_model_that_is_not_llama4_is_refused(tiny_base):
     with pytest.raises(ModelError, match="not a Llama 4 model"):
-        load_causal_lm(str(tiny_base), torch.float32, linearized_llama4_experts=True)
+        load_causal_lm(BaseModelPlan.of(str(tiny_base), torch.float32, linearized_llama4_experts=True))
 
 
 def test_the_context_restores_transformers_layer():

@@ -11,6 +11,7 @@ from hanzo_gym.config import load_config
 from hanzo_gym.errors import ModelError
 from hanzo_gym.loops.train import build_engine
 from hanzo_gym.model import loader_keys
+from hanzo_gym.model.load_plan import LoadPlan
 
 
 def test_the_loader_classes_must_be_what_the_model_loads_as(qwen3_tokenizer):
@@ -123,7 +124,8 @@ def text_file(tmp_path):
 
 def test_attn_implementation_reaches_the_model_and_trains(tmp_path, tiny_base, text_file, capsys):
     path = _tiny_config(tmp_path, tiny_base, text_file, attn_implementation="eager", tf32=True)
-    engine = build_engine(load_config(path), torch.device("cpu"), torch.float32)
+    cfg = load_config(path)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
     assert engine.model.get_base_model().config._attn_implementation == "eager"
     assert "tf32: True has no effect on cpu" in capsys.readouterr().out
     flash = _tiny_config(tmp_path, tiny_base, text_file, attn_implementation="flash_attention_2")
@@ -185,7 +187,8 @@ def test_both_kinds_of_checkpointing_give_the_gradients_of_none(
         },
     }.items():
         config = write_tiny_run(tmp_path, tiny_base, chat_data, name=kind, lora_dropout=0.0, **keys)
-        engine = build_engine(load_config(config), torch.device("cpu"), torch.float32, qwen3_tokenizer)
+        cfg = load_config(config)
+        engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
         engine.forward_backward([datum])
         grads[kind] = [p.grad.clone() for p in engine.trainable]
         # lora_B starts at zero, so B matrices take the gradient; a reentrant pass that lost it gives None

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from hanzo_gym.cli import main
 from hanzo_gym.errors import ModelError
+from hanzo_gym.model.load_plan import LoadPlan
 from hanzo_gym.model.loftq import rounded_weight, start_loftq
 from hanzo_gym.model.lora import attach_lora
 
@@ -46,7 +47,7 @@ def _two_copies(seed: int = 3):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_start_equals_peft_loftq_init(bits, peft_on_the_cpu):
     ours, theirs = _two_copies()
-    ours = attach_lora(ours, 8, 16, 0.0, TARGETS, "tiny")
+    ours = attach_lora(ours, r=8, alpha=16, dropout=0.0, target_modules=TARGETS, base_model_name="tiny")
     start_loftq(ours, bits)
     theirs = get_peft_model(
         theirs,
@@ -77,7 +78,7 @@ def test_the_start_is_closer_to_the_full_precision_model_than_the_rounded_base()
     tokens = torch.tensor([[5, 17, 42, 8, 63, 30, 11]])
     with torch.no_grad():
         reference = original(tokens).logits
-    model = attach_lora(copy, 8, 8, 0.0, TARGETS, "tiny")
+    model = attach_lora(copy, r=8, alpha=8, dropout=0.0, target_modules=TARGETS, base_model_name="tiny")
     start_loftq(model, 4)
     with torch.no_grad():
         started = model(tokens).logits
@@ -165,7 +166,8 @@ def test_continuing_a_loftq_adapter_keeps_its_rounded_base(tmp_path, tiny_base, 
 
     assert main(["train", str(_config(tmp_path, tiny_base, chat_data, max_steps=2, save_steps=None))]) == 0
     path = _config(tmp_path, tiny_base, chat_data, name="b", peft=None, lora_model_dir=str(tmp_path / "run"))
-    engine = build_engine(load_config(path), torch.device("cpu"), torch.float32)
+    cfg = load_config(path)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
     layer = engine.model.base_model.model.model.layers[1].mlp.down_proj
     full = AutoModelForCausalLM.from_pretrained(tiny_base).model.layers[1].mlp.down_proj.weight
     assert torch.equal(layer.base_layer.weight, rounded_weight(full, 4))

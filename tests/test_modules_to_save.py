@@ -19,6 +19,7 @@ from hanzo_gym.config import load_config
 from hanzo_gym.errors import ConfigError, ModelError
 from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.loops.train import build_engine
+from hanzo_gym.model.load_plan import LoadPlan
 from hanzo_gym.model.lora import read_adapter_config
 from hanzo_gym.records import Datum
 
@@ -48,7 +49,7 @@ def test_the_trained_copies_get_the_gradient_plain_peft_gives(base, tmp_path, ch
     """One forward_backward through the engine (fused, chunked log-probabilities) against transformers' loss
     on the same PEFT model: equal loss, and equal gradients of the trained embedding/output copies."""
     cfg = load_config(write_tiny_run(tmp_path, base, chat_data, lora_modules_to_save=SAVED))
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
     copies = {n: p for n, p in engine.model.named_parameters() if "modules_to_save" in n}
     assert copies and all(p.requires_grad for p in copies.values())
     tied = engine.model.get_base_model().config.tie_word_embeddings
@@ -113,7 +114,7 @@ def test_a_run_trains_the_copies_saves_resumes_and_merges(base, tmp_path, chat_d
 
 def test_the_reference_pass_scores_with_the_bases_layers(tmp_path, tiny_base, chat_data, qwen3_tokenizer):
     cfg = load_config(write_tiny_run(tmp_path, tiny_base, chat_data, lora_modules_to_save=SAVED))
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
     datums = _datums(qwen3_tokenizer)
     before = engine.forward(datums, reference=True)
     with torch.no_grad():
@@ -129,7 +130,9 @@ def test_the_reference_pass_scores_with_the_bases_layers(tmp_path, tiny_base, ch
 
 def test_a_bf16_run_keeps_the_copies_in_fp32(tmp_path, tiny_base, chat_data, qwen3_tokenizer):
     cfg = load_config(write_tiny_run(tmp_path, tiny_base, chat_data, lora_modules_to_save=SAVED, bf16=True))
-    engine = build_engine(cfg, torch.device("cpu"), torch.bfloat16, qwen3_tokenizer)
+    engine = build_engine(
+        cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.bfloat16), qwen3_tokenizer
+    )
     copies = [p for n, p in engine.model.named_parameters() if "modules_to_save" in n]
     assert copies and all(p.dtype == torch.float32 for p in copies)
     out = engine.forward_backward(_datums(qwen3_tokenizer), "cross_entropy")
@@ -149,7 +152,7 @@ def test_what_cannot_use_the_copies_says_so(tmp_path, tiny_base, chat_data):
         load_config(write_tiny_run(tmp_path, tiny_base, chat_data, name="grpo", **grpo))
     with pytest.raises(ModelError, match="has no module of that name"):
         cfg = load_config(write_tiny_run(tmp_path, tiny_base, chat_data, lora_modules_to_save=["wte"]))
-        build_engine(cfg, torch.device("cpu"), torch.float32)
+        build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
     config = write_tiny_run(
         tmp_path, tiny_base, chat_data, name="served", lora_modules_to_save=SAVED, max_steps=1
     )
@@ -164,7 +167,9 @@ def test_a_bf16_base_runs_the_models_own_forward_and_lora_model_dir_continues(
     """The copies' dtype hooks: the model's own forward (not only the fused path) runs over a bf16 base; and a
     later run continues from such an adapter with lora_model_dir, its copies included."""
     cfg = load_config(write_tiny_run(tmp_path, tiny_base, chat_data, lora_modules_to_save=SAVED, bf16=True))
-    engine = build_engine(cfg, torch.device("cpu"), torch.bfloat16, qwen3_tokenizer)
+    engine = build_engine(
+        cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.bfloat16), qwen3_tokenizer
+    )
     tokens = torch.tensor([qwen3_tokenizer.encode(TEXTS[0])])
     with torch.no_grad():
         assert torch.isfinite(engine.model(input_ids=tokens).logits).all()
@@ -176,22 +181,21 @@ def test_a_bf16_base_runs_the_models_own_forward_and_lora_model_dir_continues(
     second = load_config(
         write_tiny_run(tmp_path, tiny_base, chat_data, name="second", lora_model_dir=str(tmp_path / "first"))
     )
-    continued = build_engine(second, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    continued = build_engine(
+        second, LoadPlan.from_config(second, torch.device("cpu"), torch.float32), qwen3_tokenizer
+    )
     saved = load_file(str(tmp_path / "first" / "adapter_model.safetensors"))
     start = continued.weights()
     assert start.keys() == saved.keys() and all(torch.equal(start[k], saved[k]) for k in saved)
     grpo = {"rl": "grpo", "trl": {"reward_funcs": ["exact_match"]}, "lora_model_dir": str(tmp_path / "first")}
     with pytest.raises(ModelError, match="GRPO sampler folds only LoRA deltas"):
-        build_engine(
-            load_config(write_tiny_run(tmp_path, tiny_base, chat_data, name="g", **grpo)),
-            torch.device("cpu"),
-            torch.float32,
-        )
+        cfg = load_config(write_tiny_run(tmp_path, tiny_base, chat_data, name="g", **grpo))
+        build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
 
 
 def test_module_names_match_as_peft_matches_them(tmp_path, tiny_base, chat_data, qwen3_tokenizer):
     cfg = load_config(
         write_tiny_run(tmp_path, tiny_base, chat_data, lora_modules_to_save=["model.embed_tokens"])
     )
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
     assert any("embed_tokens.modules_to_save" in n for n, _ in engine.model.named_parameters())

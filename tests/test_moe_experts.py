@@ -13,6 +13,7 @@ from tiny_models import tiny_model
 from hanzo_gym.cli import main
 from hanzo_gym.errors import ModelError
 from hanzo_gym.model.hub import load_causal_lm
+from hanzo_gym.model.load_plan import BaseModelPlan, LoadPlan, Quantization
 
 EXPERT_TENSORS = [
     f"model.layers.{i}.mlp.experts.{name}" for i in (0, 1) for name in ("gate_up_proj", "down_proj")
@@ -31,7 +32,9 @@ def tiny_moe(tmp_path_factory, word_tokenizer):
 
 def test_the_experts_load_as_nf4_of_their_saved_values(tiny_moe):
     directory, saved = tiny_moe
-    model = load_causal_lm(str(directory), torch.float32, load_in_4bit=True, quantize_moe_experts=True)
+    model = load_causal_lm(
+        BaseModelPlan.of(str(directory), torch.float32, quantization=Quantization(bits=4, moe_experts=True))
+    )
     for name in EXPERT_TENSORS:
         path, _, tensor = name.rpartition(".")
         experts = model.get_submodule(path)
@@ -41,7 +44,7 @@ def test_the_experts_load_as_nf4_of_their_saved_values(tiny_moe):
         torch.testing.assert_close(
             getattr(experts, tensor), bnb_functional.dequantize_4bit(packed, state), rtol=0, atol=0
         )
-    plain = load_causal_lm(str(directory), torch.float32, load_in_4bit=True)
+    plain = load_causal_lm(BaseModelPlan.of(str(directory), torch.float32, quantization=Quantization(bits=4)))
     assert plain.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32  # what the key changes
 
 
@@ -49,7 +52,9 @@ def test_beside_an_8bit_base_the_experts_are_int8_rows_dequantized_once_per_forw
     from hanzo_gym.model import moe_quant
 
     directory, saved = tiny_moe
-    model = load_causal_lm(str(directory), torch.float32, load_in_8bit=True, quantize_moe_experts=True)
+    model = load_causal_lm(
+        BaseModelPlan.of(str(directory), torch.float32, quantization=Quantization(bits=8, moe_experts=True))
+    )
     for name in EXPERT_TENSORS:
         path, _, tensor = name.rpartition(".")
         experts = model.get_submodule(path)
@@ -71,7 +76,9 @@ def test_a_dense_model_has_no_experts_to_quantize(tiny_dir):
     with pytest.raises(
         ModelError, match=r"quantize_moe_experts: base_model .* has no stacked MoE expert weights"
     ):
-        load_causal_lm(tiny_dir, torch.float32, load_in_4bit=True, quantize_moe_experts=True)
+        load_causal_lm(
+            BaseModelPlan.of(tiny_dir, torch.float32, quantization=Quantization(bits=4, moe_experts=True))
+        )
 
 
 @pytest.mark.parametrize(
@@ -100,7 +107,8 @@ def test_lora_with_quantized_experts_trains_and_its_gradients_are_the_dequantize
     datum = Datum(ModelInput.from_ints(tokens[:-1]), {"target_tokens": tokens[1:], "weights": [1.0] * 24})
     grads = []
     for materialize in (False, True):
-        engine = build_engine(load_config(config), torch.device("cpu"), torch.float32)
+        cfg = load_config(config)
+        engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
         if materialize:  # the same NF4 values as plain fp32 tensors: what the parametrization must compute
             for name in EXPERT_TENSORS:
                 path, _, tensor = name.rpartition(".")

@@ -19,6 +19,7 @@ from hanzo_gym.cli import main
 from hanzo_gym.config import parse_config
 from hanzo_gym.engine.sampling import sample_groups
 from hanzo_gym.loops.train import build_engine
+from hanzo_gym.model.load_plan import BaseModelPlan, LoadPlan, Quantization
 from hanzo_gym.records import Datum, ModelInput, SamplingParams
 
 WIDE = {"hidden_size": 64, "intermediate_size": 128}
@@ -92,7 +93,7 @@ def test_qlora_trains_on_a_4bit_base_and_merges_into_the_full_precision_model(tm
 
 def test_a_4bit_model_samples_what_it_scores(tmp_path, wide_base, chats, word_tokenizer):
     cfg = parse_config(qlora_config(wide_base, chats, tmp_path / "unused"))
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32, word_tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), word_tokenizer)
     linear_bases = [m.base_layer for m in engine.model.modules() if hasattr(m, "base_layer")]
     assert linear_bases and all(isinstance(b, Linear4bit) for b in linear_bases)
     with torch.no_grad():
@@ -129,13 +130,26 @@ def test_qlora_gradients_equal_those_of_the_dequantized_model(tmp_path, wide_bas
     from hanzo_gym.model.lora import attach_lora
 
     cfg = parse_config(qlora_config(wide_base, chats, tmp_path / "unused", lora_r=4))
-    quantized = build_engine(cfg, torch.device("cpu"), torch.float32, word_tokenizer)
+    quantized = build_engine(
+        cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), word_tokenizer
+    )
     reference_model = AutoModelForCausalLM.from_pretrained(wide_base)
-    for name, module in load_causal_lm(str(wide_base), torch.float32, load_in_4bit=True).named_modules():
+    for name, module in load_causal_lm(
+        BaseModelPlan.of(str(wide_base), torch.float32, quantization=Quantization(bits=4))
+    ).named_modules():
         if isinstance(module, Linear4bit):
             dequantized = bnb_functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
             reference_model.get_submodule(name).weight.data.copy_(dequantized)
-    reference = Engine(attach_lora(reference_model, 4, cfg.lora_alpha, 0.0, "all-linear", str(wide_base)))
+    reference = Engine(
+        attach_lora(
+            reference_model,
+            r=4,
+            alpha=cfg.lora_alpha,
+            dropout=0.0,
+            target_modules="all-linear",
+            base_model_name=str(wide_base),
+        )
+    )
     for mine, theirs in _gradients_beside(quantized, reference):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
 
@@ -219,14 +233,25 @@ def _dequantized_8bit_reference(base: str, lora_r: int, alpha: float):
 
     reference_model = AutoModelForCausalLM.from_pretrained(base)
     layers = 0
-    for name, module in load_causal_lm(base, torch.float32, load_in_8bit=True).named_modules():
+    for name, module in load_causal_lm(
+        BaseModelPlan.of(base, torch.float32, quantization=Quantization(bits=8))
+    ).named_modules():
         if isinstance(module, Linear8bitLt):
             weight = module.weight
             dequantized = weight.data.float() * weight.SCB.float()[:, None] / 127
             reference_model.get_submodule(name).weight.data.copy_(dequantized)
             layers += 1
     assert layers == 2 * 7
-    return Engine(attach_lora(reference_model, lora_r, alpha, 0.0, "all-linear", base))
+    return Engine(
+        attach_lora(
+            reference_model,
+            r=lora_r,
+            alpha=alpha,
+            dropout=0.0,
+            target_modules="all-linear",
+            base_model_name=base,
+        )
+    )
 
 
 def test_8bit_lora_gradients_follow_the_dequantized_model(tmp_path, wide_base, chats, word_tokenizer):
@@ -237,7 +262,9 @@ def test_8bit_lora_gradients_follow_the_dequantized_model(tmp_path, wide_base, c
     from bitsandbytes.nn import Linear8bitLt
 
     cfg = parse_config(_lora_8bit_config(wide_base, chats, tmp_path / "unused", lora_r=4))
-    quantized = build_engine(cfg, torch.device("cpu"), torch.float32, word_tokenizer)
+    quantized = build_engine(
+        cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), word_tokenizer
+    )
     bases = [m.base_layer for m in quantized.model.modules() if hasattr(m, "base_layer")]
     assert bases and all(isinstance(b, Linear8bitLt) for b in bases)
     reference = _dequantized_8bit_reference(str(wide_base), 4, cfg.lora_alpha)
@@ -265,7 +292,7 @@ def test_8bit_lora_trains_resumes_the_same_kind_and_merges_into_the_full_precisi
 
 def test_an_8bit_model_samples_what_it_scores(tmp_path, wide_base, chats, word_tokenizer):
     cfg = parse_config(_lora_8bit_config(wide_base, chats, tmp_path / "unused"))
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32, word_tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), word_tokenizer)
     with torch.no_grad():
         for name, parameter in engine.model.named_parameters():
             if "lora_B" in name:
@@ -290,7 +317,8 @@ def test_bnb_config_kwargs_set_the_4bit_layers_quantization(tmp_path, wide_base,
     def first_4bit_layer(**kwargs):
         path = tmp_path / "run.yaml"
         path.write_text(yaml.safe_dump(qlora_config(wide_base, chats, tmp_path / "run", **kwargs)))
-        engine = build_engine(load_config(path), torch.device("cpu"), torch.float32)
+        cfg = load_config(path)
+        engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
         return next(m for m in engine.model.modules() if isinstance(m, Linear4bit)).weight.quant_state
 
     qlora = first_4bit_layer()

@@ -100,7 +100,9 @@ KERNEL_GROWTH_PROBE = textwrap.dedent(
 
     torch.manual_seed(0)
     model = tiny_model("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4).to(torch.bfloat16)
-    engine = Engine(attach_lora(model, 8, 16, 0.0, "all-linear", "tiny"))
+    engine = Engine(
+        attach_lora(model, r=8, alpha=16, dropout=0.0, target_modules="all-linear", base_model_name="tiny")
+    )
     engine._pads_rows = sys.argv[1] == "padded"
 
     def datum(n):

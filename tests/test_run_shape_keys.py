@@ -22,6 +22,7 @@ from hanzo_gym.errors import ModelError
 from hanzo_gym.loops import sft
 from hanzo_gym.loops.train import build_engine
 from hanzo_gym.model import hub
+from hanzo_gym.model.load_plan import BaseModelPlan, LoadPlan
 from hanzo_gym.model.lora import adapter_weights, read_adapter
 from hanzo_gym.records import IGNORE_INDEX
 
@@ -256,7 +257,7 @@ def test_lora_model_dir_continues_from_the_saved_adapter(tmp_path, tiny_base, ch
         tmp_path, tiny_base, chat_data, name="second", lora_model_dir=str(saved_dir), lora_r=2, **keys
     )
     cfg = load_config(second)
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
     _, saved = read_adapter(saved_dir)
     start = adapter_weights(engine.model)
     assert start.keys() == saved.keys()
@@ -287,7 +288,7 @@ def test_lora_model_dir_with_what_vllm_refuses_fails_clearly(tmp_path, tiny_base
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     cfg = load_config(_config(tmp_path, tiny_base, chat_data, lora_model_dir=str(adapter)))
     with pytest.raises(ModelError, match="use_dora"):
-        build_engine(cfg, torch.device("cpu"), torch.float32)
+        build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
 
 
 # -- trust_remote_code --------------------------------------------------------------------------------------
@@ -331,8 +332,10 @@ def custom_code_model(tmp_path, tiny_base, monkeypatch):
 
 def test_trust_remote_code_loads_the_repositorys_own_model_class(custom_code_model):
     with pytest.raises(ModelError, match="set `trust_remote_code: true`"):
-        hub.load_causal_lm(str(custom_code_model), torch.float32)
-    model = hub.load_causal_lm(str(custom_code_model), torch.float32, trust_remote_code=True)
+        hub.load_causal_lm(BaseModelPlan.of(str(custom_code_model), torch.float32))
+    model = hub.load_causal_lm(
+        BaseModelPlan.of(str(custom_code_model), torch.float32, trust_remote_code=True)
+    )
     assert type(model).__name__ == "TinyCustomForCausalLM"
 
 

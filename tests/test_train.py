@@ -14,6 +14,7 @@ from hanzo_gym.cli import main
 from hanzo_gym.engine import Engine
 from hanzo_gym.loops import checkpoint as checkpoint_module
 from hanzo_gym.loops.run_dir import RunDir
+from hanzo_gym.model.load_plan import LoadPlan
 from hanzo_gym.records import Datum, ModelInput
 
 
@@ -306,7 +307,8 @@ def test_gradient_checkpointing_is_really_on(tmp_path, tiny_base, chat_data):
     from hanzo_gym.loops.train import build_engine
 
     path, _ = _config(tmp_path, tiny_base, chat_data, gradient_checkpointing=True)
-    engine = build_engine(load_config(path), torch.device("cpu"), torch.float32)
+    cfg = load_config(path)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32))
     assert engine.model.get_base_model().is_gradient_checkpointing
 
 

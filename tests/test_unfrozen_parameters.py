@@ -17,6 +17,7 @@ from hanzo_gym.cli import main
 from hanzo_gym.config import load_config, parse_config
 from hanzo_gym.errors import ConfigError, ModelError
 from hanzo_gym.loops.train import build_engine
+from hanzo_gym.model.load_plan import LoadPlan
 from hanzo_gym.model.unfreeze import train_only_matching
 
 PATTERNS = ["model.layers.1.*", "^lm_head"]
@@ -52,7 +53,8 @@ def test_a_run_trains_only_the_unfrozen_and_resumes_on_the_same(
     config = _full_run(
         tmp_path, tiny_base, chat_data, max_steps=2, save_steps=1, unfrozen_parameters=PATTERNS
     )
-    engine = build_engine(load_config(config), torch.device("cpu"), torch.float32, qwen3_tokenizer)
+    cfg = load_config(config)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
     names = {id(p): n for n, p in engine.model.named_parameters(remove_duplicate=False)}
     assert sorted({names[id(p)] for p in engine.trainable}) == sorted(
         n for n, _ in engine.model.named_parameters() if n.startswith(("model.layers.1.", "lm_head"))

@@ -16,6 +16,7 @@ from hanzo_gym.cli.vllm_serve import vllm_serve_command
 from hanzo_gym.config import vllm_keys
 from hanzo_gym.config.vllm_keys import vllm_settings
 from hanzo_gym.errors import GymError
+from hanzo_gym.model.load_plan import BaseModelPlan, Quantization
 from hanzo_gym.records import SamplingParams
 from hanzo_gym.rollout.policy_weights import merged_weights
 from hanzo_gym.rollout.vllm_requests import sampled_sequence, vllm_sampling_fields
@@ -199,7 +200,7 @@ def test_the_tinker_client_asks_for_a_known_sampler_and_names_the_vllm_install(
         service.create_lora_training_client(tiny_dir, rank=4)
 
 
-def _quantized_policy(kind: str, keys: dict, directory):
+def _quantized_policy(kind: str, quantization: Quantization, directory):
     """A LoRA policy (B not zero) over the tiny model saved in `directory`, loaded 4- or 8-bit, after one forward
     (an 8-bit layer moves its scales at its first)."""
     import warnings
@@ -207,12 +208,20 @@ def _quantized_policy(kind: str, keys: dict, directory):
     from hanzo_gym.model.hub import load_causal_lm
     from hanzo_gym.model.lora import attach_lora
 
-    quantized = load_causal_lm(str(directory), torch.float32, **keys)
+    quantized = load_causal_lm(BaseModelPlan.of(str(directory), torch.float32, quantization=quantization))
     experts = ["experts.gate_up_proj", "experts.down_proj"] if kind == "qwen3_moe" else None
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        policy = attach_lora(quantized, 4, 8, 0.0, ["q_proj", "v_proj"], "tiny", target_parameters=experts)
+        policy = attach_lora(
+            quantized,
+            r=4,
+            alpha=8,
+            dropout=0.0,
+            target_modules=["q_proj", "v_proj"],
+            base_model_name="tiny",
+            target_parameters=experts,
+        )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, parameter in policy.named_parameters():
@@ -226,17 +235,19 @@ TOKENS = torch.tensor([list(range(3, 40))])
 
 
 @pytest.mark.parametrize(
-    ("kind", "keys"),
-    [("llama", {"load_in_4bit": True}), ("qwen3_moe", {"load_in_4bit": True, "quantize_moe_experts": True})],
+    ("kind", "quantization"),
+    [("llama", Quantization(bits=4)), ("qwen3_moe", Quantization(bits=4, moe_experts=True))],
     ids=["nf4", "nf4-experts"],
 )
-def test_over_a_4bit_base_the_merged_weights_are_the_policy_the_trainer_computes(kind, keys, tmp_path):
+def test_over_a_4bit_base_the_merged_weights_are_the_policy_the_trainer_computes(
+    kind, quantization, tmp_path
+):
     """What colocated vLLM is handed over QLoRA: a plain model with these weights computes the trainer's logits
     (the dequantized base plus the adapter), not the full-precision checkpoint's."""
     from transformers import AutoModelForCausalLM
 
     tiny_model(kind, initializer_range=0.2).save_pretrained(tmp_path)
-    policy = _quantized_policy(kind, keys, tmp_path)
+    policy = _quantized_policy(kind, quantization, tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     merged = dict(merged_weights(policy, torch.float32))
     assert merged.keys() == plain.state_dict().keys()
@@ -258,7 +269,7 @@ def test_over_an_8bit_base_the_merged_weights_hold_its_int8_rows(tmp_path):
 
     saved = tiny_model("llama", initializer_range=0.2)
     saved.save_pretrained(tmp_path)
-    policy = _quantized_policy("llama", {"load_in_8bit": True}, tmp_path)
+    policy = _quantized_policy("llama", Quantization(bits=8), tmp_path)
     base = dict(merged_weights(policy, torch.float32, fold_adapter=False))
     merged = dict(merged_weights(policy, torch.float32))
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):

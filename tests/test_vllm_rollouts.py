@@ -23,6 +23,7 @@ from hanzo_gym.config import load_config
 from hanzo_gym.engine.distributed import world_size
 from hanzo_gym.loops.train import build_engine
 from hanzo_gym.model.hub import load_tokenizer
+from hanzo_gym.model.load_plan import LoadPlan
 from hanzo_gym.records import Datum, SamplingParams
 from hanzo_gym.rollout import rollout_sampler
 
@@ -92,7 +93,7 @@ def colocated(request, model_cache, tmp_path_factory):
         extra += "  vllm_lora_sync: true\n"
     cfg = load_config(_config(tmp_path, model_cache.gguf, extra))
     tokenizer = load_tokenizer(cfg.base_model)
-    engine = build_engine(cfg, torch.device("cpu"), torch.float32, tokenizer)
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), tokenizer)
     _perturb_adapter(engine, seed=1)
     sampler = rollout_sampler(engine, cfg, tmp_path / "policy")
     yield engine, sampler

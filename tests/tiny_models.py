@@ -140,7 +140,9 @@ def tiny_lora_engine(dtype: torch.dtype, b_scale: float = 0.05):
 
     model = tiny_model("llama", initializer_range=0.2).to(dtype)
     torch.manual_seed(0)
-    peft_model = attach_lora(model, 4, 8, 0.0, "all-linear", "tiny")
+    peft_model = attach_lora(
+        model, r=4, alpha=8, dropout=0.0, target_modules="all-linear", base_model_name="tiny"
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():

@@ -11,8 +11,9 @@ from hanzo_gym.config import Config
 from hanzo_gym.errors import GymError
 from hanzo_gym.files import publish_directory
 from hanzo_gym.loops.train import load_run_tokenizer
-from hanzo_gym.model.hub import load_causal_lm, resolve_model
+from hanzo_gym.model.hub import load_causal_lm, model_source
 from hanzo_gym.model.llama4_experts import delinearized
+from hanzo_gym.model.load_plan import BaseModelPlan
 from hanzo_gym.model.loader_keys import fit_embeddings
 from hanzo_gym.model.lora import merged_model, open_adapter
 
@@ -33,26 +34,17 @@ def adapter_directory(cfg: Config, checkpoint: str | None) -> Path:
 def merged_from(cfg: Config, adapter_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The base model with the adapter in `adapter_dir` folded in, and the run's tokenizer."""
     # Keep the base checkpoint's own dtype so a bf16 model stays bf16 on disk.
-    dtype = (
-        getattr(
-            AutoConfig.from_pretrained(
-                resolve_model(cfg.base_model, cfg.trust_remote_code, cfg.revision_of_model),
-                trust_remote_code=cfg.trust_remote_code,
-            ),
-            "dtype",
-            None,
-        )
-        or torch.float32
+    source = model_source(cfg.base_model, cfg.trust_remote_code, cfg.revision_of_model)
+    dtype = getattr(
+        AutoConfig.from_pretrained(source.directory, trust_remote_code=cfg.trust_remote_code), "dtype", None
     )
-    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
-    base = load_causal_lm(
-        cfg.base_model,
-        dtype,
-        trust_remote_code=cfg.trust_remote_code,
-        revision=cfg.revision_of_model,
+    plan = BaseModelPlan(
+        source,
+        dtype if isinstance(dtype, torch.dtype) else torch.float32,
         linearized_llama4_experts=cfg.llama4_linearized_experts,
     )
-    tokenizer = load_run_tokenizer(cfg)
+    base = load_causal_lm(plan)
+    tokenizer = load_run_tokenizer(cfg, source)
     if cfg.tokens or cfg.resize_token_embeddings_to_32x:
         fit_embeddings(base, len(tokenizer), cfg)  # the rows the trained embeddings (modules_to_save) have
     model = merged_model(open_adapter(base, adapter_dir, trainable=False))

@@ -78,6 +78,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def say(*lines: str | None) -> None:
+    """Print each line that is not empty, on the main process only: rank 0 speaks for all."""
+    if is_main():
+        for line in lines:
+            if line:
+                print(line, flush=True)
+
+
 def shard(items: Sequence[T]) -> list[T]:
     """This rank's share of `items`: every world_size-th item starting at its rank (all when alone)."""
     return list(items[rank() :: world_size()])

@@ -21,6 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError, ModelError
 from hanzo_gym.model.hub import Precision, choose_precision, load_causal_lm, load_tokenizer, model_key
+from hanzo_gym.model.load_plan import BaseModelPlan
 from hanzo_gym.model.lora import adapter_weights, linear_layer_paths, read_adapter, set_adapter_weights
 
 
@@ -38,8 +39,9 @@ class ModelHost:
             auto.reason if dtype is None or dtype == auto.dtype else "as asked",
         )
         self.base_model = base_model
-        self.tokenizer = load_tokenizer(base_model)
-        self.model = load_causal_lm(base_model, self.precision.dtype, device=self.precision.device)
+        plan = BaseModelPlan.of(base_model, self.precision.dtype, self.precision.device)
+        self.tokenizer = load_tokenizer(base_model, model_dir=plan.source.directory)
+        self.model = load_causal_lm(plan)
         self.model.requires_grad_(False)
         self.linear_layers = linear_layer_paths(self.model)
         self.lock = threading.RLock()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from hanzo_gym.config import Config
 from hanzo_gym.engine import Engine
-from hanzo_gym.engine.distributed import gather_objects, is_main
+from hanzo_gym.engine.distributed import gather_objects, say
 from hanzo_gym.engine.state_files import (
     LEGACY_TRAINER_FILE,
     load_engine_state,
@@ -188,8 +188,7 @@ def starting_position(engine: Engine, run: RunDir, plan: dict, resume_from: Path
     _check_every_rank_sees(resume_from)
     position = read_checkpoint(resume_from, engine, plan)
     run.forget_after(position.step)
-    if is_main():
-        print(f"resumed from {resume_from} at step {position.step}", flush=True)
+    say(f"resumed from {resume_from} at step {position.step}")
     return position
 
 

@@ -20,7 +20,7 @@ from hanzo_gym.config.grpo_keys import TrlConfig
 from hanzo_gym.data.batching import epoch_order
 from hanzo_gym.data.prompts import Prompt
 from hanzo_gym.engine import Engine, ForwardBackwardOutput
-from hanzo_gym.engine.distributed import gather_objects, rank, shard, sum_across, world_size
+from hanzo_gym.engine.distributed import gather_objects, rank, say, shard, sum_across, world_size
 from hanzo_gym.errors import GymError
 from hanzo_gym.loops.checkpoint import adapter_fingerprint
 from hanzo_gym.loops.completion_log import CompletionLog
@@ -197,8 +197,8 @@ def _train(
         "seed": cfg.seed,
         "micro_batch_size": prompts_per_step,
     }
-    if trl.use_vllm and rank() == 0:
-        print(f"rollouts: {sampler.name}", flush=True)
+    if trl.use_vllm:
+        say(f"rollouts: {sampler.name}")
     if engine.full_fine_tuning and trl.beta > 0:
         # the KL penalty's reference is the starting model: its weights kept before a checkpoint loads
         engine.keep_reference()

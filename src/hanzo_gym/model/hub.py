@@ -5,6 +5,8 @@ A .gguf file is de-quantised once into a plain float32 Hugging Face directory un
 load can use the normal `from_pretrained` path.
 """
 
+from __future__ import annotations
+
 import contextlib
 import hashlib
 import importlib.util
@@ -14,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2
@@ -164,27 +166,85 @@ def real_model_gguf() -> Path:
     )
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A base model found: its name as written, the hub revision and remote-code permission it was found with,
+    the local directory that holds it and its config.json, read once."""
+
+    base_model: str
+    revision: str | None
+    trust_remote_code: bool
+    directory: Path
+    config: dict
+
+    @property
+    def model_type(self) -> str | None:
+        """config.json's `model_type` (`qwen3`, `gemma3_text`, …)."""
+        model_type = self.config.get("model_type")
+        return model_type if isinstance(model_type, str) else None
+
+
+def model_source(
+    base_model: str, trust_remote_code: bool = False, revision: str | None = None
+) -> ModelSource:
+    """base_model found (see resolve_model) and its config.json read."""
+    patterns = [*MODEL_PATTERNS, *REMOTE_CODE_PATTERNS] if trust_remote_code else MODEL_PATTERNS
+    directory = _resolve(
+        base_model, required_files=("config.json",), hub_patterns=patterns, revision=revision
+    )
+    # read before transformers reads it and fails with a traceback
+    return ModelSource(
+        base_model, revision, trust_remote_code, directory, _read_model_config(base_model, directory)
+    )
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the base's weights are held: bitsandbytes `bits` (4: NF4 QLoRA, 8: LLM.int8(), None: as loaded)
+    with Axolotl's 4-bit overrides, the MoE expert stacks quantized too, or an MXFP4 checkpoint's
+    Mxfp4Config arguments."""
+
+    bits: int | None = None
+    bnb_4bit: dict = field(default_factory=dict)
+    moe_experts: bool = False
+    mxfp4: dict | None = None
+
+
+@dataclass(frozen=True)
+class BaseModelPlan:
+    """What `load_causal_lm` loads: the model, in `dtype`, on `device` (where it already is when None), held
+    as `quantization` says, with transformers' `attention` kernel and `experts_implementation` (its defaults
+    when None), and Llama 4's routed experts as linear layers where `linearized_llama4_experts`."""
+
+    source: ModelSource
+    dtype: torch.dtype
+    device: torch.device | None = None
+    quantization: Quantization = Quantization()
+    attention: str | None = None
+    experts_implementation: str | None = None
+    linearized_llama4_experts: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        base_model: str,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        *,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        **how,
+    ) -> BaseModelPlan:
+        """`base_model` (a directory, a .gguf file or a hub id) found now; `how` sets the other fields."""
+        return cls(model_source(base_model, trust_remote_code, revision), dtype, device, **how)
+
+
 def resolve_model(base_model: str, trust_remote_code: bool = False, revision: str | None = None) -> Path:
     """Return a local Hugging Face model directory (config.json + safetensors + tokenizer files)
     for base_model: the directory itself, the de-quantised cache entry of a .gguf file, or a hub snapshot
     (with the repository's Python files when `trust_remote_code`) of `revision` (Axolotl's
     `revision_of_model`: a branch, tag or commit; the default branch when None)."""
-    patterns = [*MODEL_PATTERNS, *REMOTE_CODE_PATTERNS] if trust_remote_code else MODEL_PATTERNS
-    model_dir = _resolve(
-        base_model, required_files=("config.json",), hub_patterns=patterns, revision=revision
-    )
-    _read_model_config(base_model, model_dir)  # before transformers reads it and fails with a traceback
-    return model_dir
-
-
-def base_model_type(
-    base_model: str, trust_remote_code: bool = False, revision: str | None = None
-) -> str | None:
-    """config.json's `model_type` of base_model (`qwen3`, `gemma3_text`, …)."""
-    model_type = _read_model_config(base_model, resolve_model(base_model, trust_remote_code, revision)).get(
-        "model_type"
-    )
-    return model_type if isinstance(model_type, str) else None
+    return model_source(base_model, trust_remote_code, revision).directory
 
 
 def _read_model_config(base_model: str, model_dir: Path) -> dict:
@@ -209,6 +269,7 @@ def load_tokenizer(
     revision: str | None = None,
     new_tokens: list[str] | None = None,
     mistral_common: bool = False,
+    model_dir: Path | None = None,
 ) -> transformers.PreTrainedTokenizerBase:
     """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from base_model, with
     Axolotl's `special_tokens` (role → token text, e.g. {"eos_token": "<|eot_id|>"}) set. `trust_remote_code`
@@ -217,9 +278,11 @@ def load_tokenizer(
     `new_tokens` (Axolotl's `tokens`) are added to the vocabulary first, matched as written (not normalized, no
     whitespace stripped), as Axolotl adds them; special_tokens may then name them. `mistral_common` (Axolotl's
     tokenizer_use_mistral_common): Mistral's own tokenizer (tekken.json or tokenizer.model.v*) through
-    transformers' MistralCommonBackend, whose chats mistral-common encodes (renderers/mistral_common.py)."""
+    transformers' MistralCommonBackend, whose chats mistral-common encodes (renderers/mistral_common.py).
+    `model_dir`: base_model's directory where it was found already."""
     if tokenizer_config is None or tokenizer_config == base_model:
-        source, name = resolve_model(base_model, trust_remote_code, revision), base_model
+        source = model_dir or resolve_model(base_model, trust_remote_code, revision)
+        name = base_model
     else:
         patterns = [*TOKENIZER_PATTERNS, *REMOTE_CODE_PATTERNS] if trust_remote_code else TOKENIZER_PATTERNS
         source = _resolve(tokenizer_config, required_files=TOKENIZER_FILES, hub_patterns=patterns)
@@ -275,74 +338,45 @@ def _mistral_common_tokenizer(source: Path, name: str) -> transformers.PreTraine
         ) from None
 
 
-def load_causal_lm(
-    base_model: str,
-    dtype: torch.dtype,
-    load_in_4bit: bool = False,
-    device: torch.device | None = None,
-    attn_implementation: str | None = None,
-    trust_remote_code: bool = False,
-    load_in_8bit: bool = False,
-    revision: str | None = None,
-    quantize_moe_experts: bool = False,
-    bnb_4bit: dict | None = None,
-    experts_implementation: str | None = None,
-    mxfp4: dict | None = None,
-    linearized_llama4_experts: bool = False,
-) -> transformers.PreTrainedModel:
-    """Load base_model as a transformers causal LM in `dtype`, on `device` when given. With `load_in_4bit` the
-    linear layers are 4-bit NF4 with double quantization (QLoRA) computing in `dtype`; with `load_in_8bit`
-    they are bitsandbytes' LLM.int8() layers (int8 weights, outlier features in 16 bits); the output layer
-    stays in `dtype`. `attn_implementation` picks transformers' attention kernel (its default, sdpa, when None).
-    `trust_remote_code` (Axolotl's key, passed to from_pretrained as Axolotl does) lets a model whose
-    config.json maps AutoModelForCausalLM to the repository's own Python code load: transformers runs it.
-    `revision` picks a branch, tag or commit of a hub base_model (`revision_of_model`). `quantize_moe_experts`
-    quantizes the MoE layers' stacked expert weights as they load, to NF4 with load_in_4bit and to int8 rows with
-    load_in_8bit (model/moe_quant.py); a model without such weights fails, since the key would do nothing. `bnb_4bit` overrides the 4-bit
-    settings (Axolotl's `bnb_config_kwargs`: `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`).
-    `experts_implementation` picks how an MoE layer runs its experts (transformers' default when None). `mxfp4`
-    (Axolotl's `model_quantization_config: Mxfp4Config` and its kwargs) reads an MXFP4 checkpoint (gpt-oss's),
-    dequantizing its experts to `dtype` as they load. `linearized_llama4_experts` (Axolotl's
-    `llama4_linearized_experts`) gives Llama 4's routed experts one linear layer per expert and projection, which a
-    4- or 8-bit base then holds quantized (model/llama4_experts.py)."""
-    model_dir = resolve_model(base_model, trust_remote_code, revision)
-    _check_causal_lm_architecture(base_model, model_dir, trust_remote_code)
+def load_causal_lm(plan: BaseModelPlan) -> transformers.PreTrainedModel:
+    """Load the plan's base model as a transformers causal LM in `plan.dtype`, on `plan.device` when given. With
+    4 bits the linear layers are NF4 with double quantization (QLoRA) computing in the dtype, unless
+    `bnb_4bit` (Axolotl's `bnb_config_kwargs`) says otherwise; with 8 they are bitsandbytes' LLM.int8() layers
+    (int8 weights, outlier features in 16 bits); the output layer stays in the dtype. `trust_remote_code`
+    (Axolotl's key, passed to from_pretrained as Axolotl does) lets a model whose config.json maps
+    AutoModelForCausalLM to the repository's own Python code load: transformers runs it. `moe_experts`
+    quantizes the MoE layers' stacked expert weights as they load, to NF4 or to int8 rows (model/moe_quant.py);
+    a model without such weights fails, since the key would do nothing. `mxfp4` (Axolotl's
+    `model_quantization_config: Mxfp4Config` and its kwargs) reads an MXFP4 checkpoint (gpt-oss's),
+    dequantizing its experts to the dtype as they load. `linearized_llama4_experts` (Axolotl's
+    `llama4_linearized_experts`) gives Llama 4's routed experts one linear layer per expert and projection,
+    which a 4- or 8-bit base then holds quantized (model/llama4_experts.py)."""
+    source, dtype, device, quantization = plan.source, plan.dtype, plan.device, plan.quantization
+    base_model, model_dir = source.base_model, source.directory
+    _check_causal_lm_architecture(source)
     return_large_frees_to_the_system()  # from the load on: its converted tensors' buffers, then each step's
-    placement: dict = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    if trust_remote_code:
-        placement["trust_remote_code"] = True
-    if experts_implementation:
-        placement["experts_implementation"] = experts_implementation
-    if mxfp4 is not None:
-        _check_mxfp4_checkpoint(base_model, model_dir)
-        placement["quantization_config"] = transformers.Mxfp4Config(**mxfp4)
-    quantized = load_in_4bit or load_in_8bit
-    if quantized:
-        placement["quantization_config"] = (
-            _four_bit_config(dtype, **(bnb_4bit or {})) if load_in_4bit else _eight_bit_config()
-        )
-        if device is not None:  # a quantized model is placed while it loads; it cannot be moved afterwards
-            placement["device_map"] = {"": str(device)}
-    linearized_layout = linearized_llama4_experts and _linearized_llama4(base_model, model_dir)
+    placement = _placement(plan)
+    quantized = quantization.bits is not None
+    linearized_layout = plan.linearized_llama4_experts and _linearized_llama4(source)
     try:
         with (
-            quantizing_experts_on_load(4 if load_in_4bit else 8)
-            if quantize_moe_experts
+            quantizing_experts_on_load(quantization.bits or 8)
+            if quantization.moe_experts
             else contextlib.nullcontext([]) as experts,
             reading_tensors_by_pread(model_dir, dtype),
             loading_linearized_experts() if linearized_layout else contextlib.nullcontext(),
         ):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement)
-        if linearized_llama4_experts and not linearized_layout:
+        if plan.linearized_llama4_experts and not linearized_layout:
             settings = placement.get("quantization_config")
             linearize_experts(model, _expert_quantization(settings, dtype) if quantized else None)
-        if quantize_moe_experts and not experts:
+        if quantization.moe_experts and not experts:
             raise ModelError(
                 f"quantize_moe_experts: base_model `{base_model}` has no stacked MoE expert weights (3-D "
                 "parameters named for experts) to quantize; 4- or 8-bit loading quantizes its linear layers already: "
                 "remove the key"
             )
-        if load_in_4bit:
+        if quantization.bits == 4:
             _keep_4bit_weights_trainable(model)
         return model.to(device) if device is not None and not quantized else model
     except SafetensorError as error:
@@ -357,13 +391,37 @@ def load_causal_lm(
         ) from error
 
 
-def _linearized_llama4(base_model: str, model_dir: Path) -> bool:
-    """Whether a Llama 4 checkpoint is in Axolotl's linearized layout; ModelError for another model."""
-    if _read_model_config(base_model, model_dir).get("model_type") not in ("llama4", "llama4_text"):
-        raise ModelError(
-            f"llama4_linearized_experts: base_model `{base_model}` is not a Llama 4 model; remove the key"
+def _placement(plan: BaseModelPlan) -> dict:
+    """from_pretrained's arguments beside the directory and the dtype."""
+    quantization = plan.quantization
+    placement: dict = {"attn_implementation": plan.attention} if plan.attention else {}
+    if plan.source.trust_remote_code:
+        placement["trust_remote_code"] = True
+    if plan.experts_implementation:
+        placement["experts_implementation"] = plan.experts_implementation
+    if quantization.mxfp4 is not None:
+        _check_mxfp4_checkpoint(plan.source)
+        placement["quantization_config"] = transformers.Mxfp4Config(**quantization.mxfp4)
+    if quantization.bits is not None:
+        placement["quantization_config"] = (
+            _four_bit_config(plan.dtype, **quantization.bnb_4bit)
+            if quantization.bits == 4
+            else _eight_bit_config()
         )
-    return is_linearized_checkpoint(model_dir)
+        if (
+            plan.device is not None
+        ):  # a quantized model is placed while it loads; it cannot be moved afterwards
+            placement["device_map"] = {"": str(plan.device)}
+    return placement
+
+
+def _linearized_llama4(source: ModelSource) -> bool:
+    """Whether a Llama 4 checkpoint is in Axolotl's linearized layout; ModelError for another model."""
+    if source.model_type not in ("llama4", "llama4_text"):
+        raise ModelError(
+            f"llama4_linearized_experts: base_model `{source.base_model}` is not a Llama 4 model; remove the key"
+        )
+    return is_linearized_checkpoint(source.directory)
 
 
 def _expert_quantization(settings: transformers.BitsAndBytesConfig, dtype: torch.dtype) -> dict:
@@ -378,12 +436,12 @@ def _expert_quantization(settings: transformers.BitsAndBytesConfig, dtype: torch
     }
 
 
-def _check_mxfp4_checkpoint(base_model: str, model_dir: Path) -> None:
-    stored = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
-    if stored.get("quant_method") != "mxfp4":
+def _check_mxfp4_checkpoint(source: ModelSource) -> None:
+    stored = source.config.get("quantization_config") or {}
+    if not isinstance(stored, dict) or stored.get("quant_method") != "mxfp4":
         raise ModelError(
             f"model_quantization_config: Mxfp4Config reads a checkpoint stored in MXFP4 (gpt-oss's), and base_model "
-            f"`{base_model}` is not one (its config.json has no mxfp4 quantization_config): remove the key"
+            f"`{source.base_model}` is not one (its config.json has no mxfp4 quantization_config): remove the key"
         )
 
 
@@ -437,14 +495,13 @@ def _four_bit_config(compute_dtype: torch.dtype, **settings) -> transformers.Bit
     )
 
 
-def _check_causal_lm_architecture(base_model: str, model_dir: Path, trust_remote_code: bool = False) -> None:
+def _check_causal_lm_architecture(source: ModelSource) -> None:
     """Turn transformers' errors for unknown or non-causal architectures into one clear message."""
-    config_path = model_dir / "config.json"
-    config = _read_model_config(base_model, model_dir)
-    model_type = config.get("model_type")
-    auto_map = config.get("auto_map")
+    base_model, config_path = source.base_model, source.directory / "config.json"
+    model_type = source.config.get("model_type")
+    auto_map = source.config.get("auto_map")
     if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
-        if trust_remote_code:
+        if source.trust_remote_code:
             return  # the repository's own causal LM class: transformers loads (and runs) it
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise ModelError(

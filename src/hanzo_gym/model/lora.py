@@ -24,6 +24,7 @@ from hanzo_gym.model.parameter_lora import (
 
 def attach_lora(
     model: PreTrainedModel,
+    *,
     r: int,
     alpha: float,
     dropout: float,
