@@ -4,6 +4,7 @@ word-level ChatML tokenizer whose token positions are easy to count by hand."""
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import inspect
 import json
@@ -119,7 +120,7 @@ class _HeavyWalk:
             return any(map(self.reaches, vars(value).values()))
         names, strings = _names(value.__code__)
         for name in names:
-            found = value.__globals__.get(name, sys.modules.get(name))
+            found = value.__globals__[name] if name in value.__globals__ else _module_named(name)
             named = [found]
             # `module.attribute`, or `from module import attribute` in a function's body
             if isinstance(found, ModuleType):
@@ -127,6 +128,14 @@ class _HeavyWalk:
             if any(map(self.reaches, named)):
                 return True
         return any(map(self.fixture, strings))
+
+
+def _module_named(name: str) -> ModuleType | None:
+    """A module a function imports in its body: one already loaded, or one of the suite's own (imported here,
+    so that the rule does not depend on which test files happen to be collected)."""
+    if name not in sys.modules and (TESTS / f"{name}.py").is_file():
+        importlib.import_module(name)
+    return sys.modules.get(name)
 
 
 def _is_heavy(value) -> bool:
