@@ -245,6 +245,7 @@ def test_full_fine_tuning_dpo_scores_its_reference_before_the_first_step(
     assert all(torch.equal(again[k], final[k]) for k in final)
 
 
+@pytest.mark.slow  # a whole run end to end; CI runs it, `make test` stays under 10 minutes
 def test_full_fine_tuning_kto_scores_every_planned_kl_pair_before_the_first_step(
     tmp_path, tiny_base, chat_data, capsys
 ):

@@ -525,6 +525,7 @@ def test_reference_pass_equals_the_plain_base_model(trl_dpo, qwen3_tokenizer, tm
                 assert reference[side, index].item() == pytest.approx(expected.item(), rel=1e-6, abs=1e-5)
 
 
+@pytest.mark.slow  # a whole run end to end; CI runs it, `make test` stays under 10 minutes
 def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, tiny_base, pair_file):
     path, _ = _config(tmp_path, tiny_base, pair_file, max_steps=6, save_steps=4, val_set_size=0)
     assert main(["train", str(path)]) == 0

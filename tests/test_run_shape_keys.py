@@ -210,6 +210,7 @@ def test_pad_to_sequence_len_pads_every_row_and_changes_no_number(
             assert pad[step] == pytest.approx(plain[step], rel=1e-5), (key, step)
 
 
+@pytest.mark.slow  # a whole run end to end; CI runs it, `make test` stays under 10 minutes
 def test_eval_sample_packing_packs_the_eval_set_and_the_eval_loss_stays(
     tmp_path, tiny_base, chat_data, monkeypatch
 ):
