@@ -167,38 +167,25 @@ def test_the_policy_weights_for_vllm_hold_the_experts_delta_as_peft_merges_it(ti
 
 
 def test_what_the_adapter_cannot_target():
+    def attach(r, modules, parameters):
+        return attach_lora(
+            tiny_model("qwen3_moe"),
+            r=r,
+            alpha=8,
+            dropout=0.0,
+            target_modules=modules,
+            base_model_name="tiny",
+            target_parameters=parameters,
+        )
+
     with pytest.raises(
         ModelError, match=r"`experts.up_proj` names no parameter of tiny \(its expert parameters "
     ):
-        attach_lora(
-            tiny_model("qwen3_moe"),
-            r=4,
-            alpha=8,
-            dropout=0.0,
-            target_modules=["q_proj"],
-            base_model_name="tiny",
-            target_parameters=["experts.up_proj"],
-        )
+        attach(4, ["q_proj"], ["experts.up_proj"])
     with pytest.raises(ModelError, match=r"lora_r \(LoRA rank\) 40 is larger .* a side of 32; set lora_r"):
-        attach_lora(
-            tiny_model("qwen3_moe"),
-            r=40,
-            alpha=8,
-            dropout=0.0,
-            target_modules=[],
-            base_model_name="tiny",
-            target_parameters=EXPERTS,
-        )
+        attach(40, [], EXPERTS)
     with pytest.raises(ModelError, match=r"input_layernorm.weight is a 1-D parameter"):
-        attach_lora(
-            tiny_model("qwen3_moe"),
-            r=4,
-            alpha=8,
-            dropout=0.0,
-            target_modules=["q_proj"],
-            base_model_name="tiny",
-            target_parameters=["input_layernorm.weight"],
-        )
+        attach(4, ["q_proj"], ["input_layernorm.weight"])
 
 
 def test_the_config_keys():
