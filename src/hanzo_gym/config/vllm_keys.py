@@ -119,8 +119,8 @@ class VllmKeys(Feature):
     vllm: VllmSection | None = None  # Axolotl's `vllm:` block (GRPO rollouts on vLLM)
 
     def check(self) -> None:
-        """The `trl:` vLLM keys and the `vllm:` block, then what vLLM cannot be handed: a policy that is not a
-        LoRA adapter of linear layers over the base it loads."""
+        """What vLLM cannot be handed (a policy that is not a LoRA adapter of linear layers over the base it
+        loads), the `trl:` vLLM keys and the `vllm:` block, then a LoftQ adapter's rounded base."""
         if self.trl.use_vllm:
             self._check_policy_for_vllm()
         _check_trl_vllm_keys(self.trl, self.vllm, self.rl)
