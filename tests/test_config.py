@@ -108,8 +108,9 @@ def test_unknown_nested_key_names_its_path(tmp_path):
 def test_bad_enum_value_lists_what_is_allowed(tmp_path):
     message = _error(tmp_path, BASE + "lr_scheduler: cosin\n")
     assert "run.yaml:8" in message and "'cosine', 'linear', 'constant'" in message and "`cosine`" in message
-    message = _error(tmp_path, BASE.replace("type: chat_template", "type: sharegpt"))
+    message = _error(tmp_path, BASE.replace("type: chat_template", "type: sharegtp"))
     assert "run.yaml:7" in message and "datasets[0].type" in message and "chat_template, alpaca" in message
+    assert "did you mean `sharegpt`?" in message
 
 
 def test_wrong_type_and_range_name_key_and_line(tmp_path):

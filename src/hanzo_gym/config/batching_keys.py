@@ -55,7 +55,9 @@ class BatchingKeys(Feature):
                 )
         if self.group_by_length:
             if self.rl is not None:
-                raise ValueError(f"group_by_length orders SFT examples; rl: {self.rl} does not use it: remove it")
+                raise ValueError(
+                    f"group_by_length orders SFT examples; rl: {self.rl} does not use it: remove it"
+                )
             if self.sample_packing:
                 raise ValueError(
                     "group_by_length and sample_packing: the packer forms the rows, so there is nothing to group "

@@ -5,16 +5,23 @@ exact deduplication. data/ acts on them."""
 from __future__ import annotations
 
 import string
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from hanzo_gym.config.axolotl_keys import close_misspelling
-from hanzo_gym.config.dataset_types import DATASET_TYPES, is_user_transform
+from hanzo_gym.config.dataset_types import DATASET_TYPES, SHAREGPT_TYPES, is_user_transform
 from hanzo_gym.config.feature import Feature, StrictKeys
 from hanzo_gym.config.preference_keys import PAIR_METHODS
+from hanzo_gym.config.tokenizer_keys import known_chat_template
 from hanzo_gym.errors import DataError
 from hanzo_gym.renderers.instruction_formats import ALPACA_STYLES, InstructionFormat
+
+# older Axolotl's FastChat conversation templates → the chat template that renders them the same
+FASTCHAT_TEMPLATES = {"chatml": "chatml", "llama3": "llama3", "llama-3": "llama3"}
+# the extensions data/sources.py reads
+DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
 
 
 class MessagePropertyMappings(StrictKeys):
@@ -131,7 +138,7 @@ class DatasetConfig(StrictKeys):
         ),
     ]
     split: str | None = None
-    data_files: list[str] | None = None
+    data_files: list[str] | None = None  # one file may be given as a string, as Axolotl allows
     # a configuration of the dataset (its card's `configs`), as load_dataset(path, name)
     name: str | None = None
     field_messages: str = "messages"
@@ -150,6 +157,23 @@ class DatasetConfig(StrictKeys):
     field_rejected: str = "rejected"
     # Axolotl's role mapping: the canonical role → the names rows use for it (e.g. assistant: [gpt, bot])
     roles: dict[str, list[str]] | None = None
+    # the chat template of this dataset's conversations: the run's, as one run renders with one (DatasetKeys)
+    chat_template: str | None = None
+    # the file format Axolotl hands `load_dataset` (json reads .json and .jsonl); here it must agree with `path`
+    ds_type: Literal["json", "parquet", "csv", "arrow", "text"] | None = None
+    # older Axolotl's ShareGPT keys: a FastChat template name, and the `from` values of the user's and the
+    # model's turns when not human / gpt
+    conversation: str | None = None
+    field_human: str | None = None
+    field_model: str | None = None
+
+    # Axolotl's switch for datasets with a loading script: none runs here, the files are read
+    trust_remote_code: bool | None = None
+    # not an Axolotl key, which Axolotl ignores with a warning (`split` is)
+    train_on_split: str | None = None
+
+    _notes: list[str] = PrivateAttr(default_factory=list)
+    _known_chat_template = field_validator("chat_template")(known_chat_template)
 
     @model_validator(mode="before")
     @classmethod
@@ -193,6 +217,11 @@ class DatasetConfig(StrictKeys):
             )
         return value
 
+    @field_validator("data_files", mode="before")
+    @classmethod
+    def _one_data_file(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
     @field_validator("split")
     @classmethod
     def _split_parses(cls, value: str | None) -> str | None:
@@ -204,6 +233,89 @@ class DatasetConfig(StrictKeys):
             except DataError as exc:  # the parser's message already says what is allowed
                 raise ValueError(str(exc)) from None
         return value
+
+    @model_validator(mode="after")
+    def _older_types(self) -> DatasetConfig:
+        """Older Axolotl's `sharegpt` and `oasst` as the types they became, and what else they read."""
+        sharegpt_keys = [key for key in ("conversation", "field_human", "field_model") if getattr(self, key)]
+        if sharegpt_keys and self.type not in SHAREGPT_TYPES:
+            raise ValueError(
+                f"{sharegpt_keys[0]} is a key of older Axolotl's `type: sharegpt`, not of {self.type}"
+            )
+        if self.type in SHAREGPT_TYPES:
+            self._as_chat_template()
+        elif self.type == "oasst":
+            self.type, self.field_instruction, self.field_output = "alpaca", "INSTRUCTION", "RESPONSE"
+            self._notes.append(
+                f"{self.path}: type: oasst is type: alpaca with field_instruction: INSTRUCTION, "
+                "field_output: RESPONSE"
+            )
+        if self.ds_type is not None:
+            self._check_ds_type()
+        return self
+
+    def _as_chat_template(self) -> None:
+        written = self.type
+        if self.conversation is not None:
+            template = FASTCHAT_TEMPLATES.get(self.conversation)
+            if template is None:
+                raise ValueError(
+                    f"conversation: {self.conversation} (a FastChat template of older Axolotl) has no chat template "
+                    f"here; use type: chat_template with chat_template: {', '.join(sorted(set(FASTCHAT_TEMPLATES.values())))} "
+                    "or your tokenizer's (tokenizer_default)"
+                )
+            if self.chat_template not in (None, template):
+                raise ValueError(
+                    f"conversation: {self.conversation} and chat_template: {self.chat_template} disagree; give one"
+                )
+            self.chat_template = template
+        role, content = ("role", "content") if written == "sharegpt.load_role" else ("from", "value")
+        self.type = "chat_template"
+        if "field_messages" not in self.model_fields_set:
+            self.field_messages = "conversations"
+        if self.message_property_mappings is None:
+            self.message_property_mappings = MessagePropertyMappings(role=role, content=content)
+        if self.roles is None:
+            self.roles = {
+                "user": list(dict.fromkeys(["human", "user", *filter(None, [self.field_human])])),
+                "assistant": list(dict.fromkeys(["gpt", "assistant", *filter(None, [self.field_model])])),
+                "system": ["system"],
+            }
+        spelled = [
+            f"field_messages: {self.field_messages}",
+            f"message_property_mappings: {{role: {self.mappings.role}, content: {self.mappings.content}}}",
+            "roles: {" + ", ".join(f"{k}: [{', '.join(v)}]" for k, v in self.roles.items()) + "}",
+        ]
+        if self.chat_template:
+            spelled.append(f"chat_template: {self.chat_template}")
+        self._notes.append(f"{self.path}: type: {written} is type: chat_template with {', '.join(spelled)}")
+
+    def _check_ds_type(self) -> None:
+        suffixes = {"json": (".json", ".jsonl"), "parquet": (".parquet",)}.get(self.ds_type)
+        if suffixes is None:
+            raise ValueError(
+                f"ds_type: {self.ds_type} files are not read yet; convert them to .jsonl or .parquet"
+            )
+        suffix = Path(self.path).suffix.lower()
+        if suffix in DATA_EXTENSIONS and suffix not in suffixes:
+            raise ValueError(f"ds_type: {self.ds_type} and path {self.path} disagree; remove ds_type")
+
+    @property
+    def notes(self) -> list[str]:
+        """The lines saying what an older Axolotl dataset type became, and which keys change nothing."""
+        ignored = (
+            [
+                f"{self.path}: trust_remote_code changes nothing: no dataset loading script runs, the data files are read"
+            ]
+            if self.trust_remote_code
+            else []
+        )
+        if self.train_on_split is not None:
+            ignored.append(
+                f"{self.path}: train_on_split is not an Axolotl key and is ignored, as Axolotl ignores it; the split "
+                f"read is `split` ({self.split or 'train'})"
+            )
+        return [*self._notes, *ignored]
 
     @property
     def mappings(self) -> MessagePropertyMappings:
@@ -248,6 +360,25 @@ class DatasetKeys(Feature):
                 "a folder for one: give one of them"
             )
         self._check_type_mappings()
+        self._one_chat_template()
+
+    def _one_chat_template(self) -> None:
+        """A dataset's own chat template is the run's: one run renders every conversation with one template."""
+        own = {ds.chat_template for ds in self.datasets if ds.chat_template is not None}
+        if len(own) > 1:
+            raise ValueError(
+                f"datasets give chat templates {', '.join(sorted(own))}; a run renders with one: set the "
+                "top-level chat_template"
+            )
+        if own and self.chat_template not in (None, *own):
+            raise ValueError(
+                f"chat_template: {self.chat_template} and a dataset's chat_template: {own.pop()} disagree; give one"
+            )
+        if own:
+            self.chat_template = own.pop()
+
+    def notes(self) -> list[str]:
+        return [line for ds in self.datasets for line in ds.notes]
 
     def _check_type_mappings(self) -> None:
         """A `type:` mapping holds the keys of this run's kind of data only."""

@@ -22,7 +22,12 @@ KTO_TYPES = (
     "passthrough",
 )
 SFT_TYPES = ("chat_template", "alpaca", "input_output", "completion")
-DATASET_TYPES = tuple(dict.fromkeys((*SFT_TYPES, *PAIR_TYPES, *KTO_TYPES)))
+# Older Axolotl's SFT types, read as the type each became (config/dataset_keys.py converts them): ShareGPT
+# conversations (`from` / `value` turns; `load_role`: `role` / `content`) and OpenAssistant's INSTRUCTION /
+# RESPONSE rows in the alpaca prompt.
+SHAREGPT_TYPES = ("sharegpt", "sharegpt:chat", "sharegpt.load_role")
+OLDER_TYPES = (*SHAREGPT_TYPES, "oasst")
+DATASET_TYPES = tuple(dict.fromkeys((*SFT_TYPES, *PAIR_TYPES, *KTO_TYPES, *OLDER_TYPES)))
 
 
 def is_user_transform(dataset_type: object) -> bool:

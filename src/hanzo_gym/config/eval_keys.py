@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from hanzo_gym.config.feature import Feature, zero_means_unset
+from hanzo_gym.config.feature import Feature, StepsOrFraction, zero_means_unset
 
 # Axolotl's default metric list (`comet` needs a model of its own from the hub, which hanzo-gym does not fetch)
 DEFAULT_CAUSAL_LM_METRICS = ("sacrebleu", "comet", "ter", "chrf")
@@ -14,7 +14,7 @@ CAUSAL_LM_METRICS = ("sacrebleu", "ter", "chrf", "perplexity")
 
 
 class EvalKeys(Feature):
-    eval_steps: int | None = Field(None, ge=1)
+    eval_steps: StepsOrFraction | None = None
     evals_per_epoch: int | None = Field(None, ge=1)  # Axolotl's other way to say eval_steps
     # examples per eval micro-batch; micro_batch_size when unset
     eval_batch_size: int | None = Field(None, ge=1)
@@ -45,7 +45,9 @@ class EvalKeys(Feature):
 
     def check(self) -> None:
         if self.eval_steps is not None and self.evals_per_epoch is not None:
-            raise ValueError("`eval_steps` and `evals_per_epoch` say the same thing two ways; give one of them")
+            raise ValueError(
+                "`eval_steps` and `evals_per_epoch` say the same thing two ways; give one of them"
+            )
         if self.rl == "grpo":
             used = [
                 key

@@ -80,7 +80,10 @@ class GrpoKeys(Feature):
         return {**data, "rl": "grpo", "trl": trl}
 
     def check(self) -> None:
-        if self.trl.multi_objective_aggregation == "normalize_then_sum" and self.trl.reward_scaling != "group":
+        if (
+            self.trl.multi_objective_aggregation == "normalize_then_sum"
+            and self.trl.reward_scaling != "group"
+        ):
             raise ValueError(
                 f"trl.scale_rewards: {self.trl.scale_rewards} with multi_objective_aggregation: normalize_then_sum "
                 "(GDPO): each reward is normalized in its group and the sums over the batch, whatever "

@@ -88,7 +88,9 @@ class KernelKeys(Feature):
     gemma4_hybrid_attn_impl: bool | None = None
     # how an MoE layer runs its experts: transformers' own loops (eager, batched_mm, grouped_mm) or a CUDA
     # kernel of the kernels plugin (scattermoe, sonicmoe), in whose place transformers' default runs
-    experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "scattermoe", "sonicmoe"] | None = None
+    experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "scattermoe", "sonicmoe"] | None = (
+        None
+    )
     torch_compile: bool | Literal["auto"] | None = None
     torch_compile_backend: str | None = None
     torch_compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = None
@@ -158,7 +160,6 @@ class KernelKeys(Feature):
                     f"`{key}` is an option of Axolotl's plugin {plugin}, which `plugins` does not list "
                     "(Axolotl would not read it): add the plugin or remove the key"
                 )
-
 
 
 def transformers_experts_implementation(cfg: KernelKeys) -> str | None:

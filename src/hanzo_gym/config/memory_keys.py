@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import PrivateAttr
+
 from hanzo_gym.config.feature import Feature, StrictKeys
 
 
@@ -16,13 +18,18 @@ class CheckpointingKwargs(StrictKeys):
 
 
 class MemoryKeys(Feature):
-    # `offload`: Axolotl's older spelling of true plus activation_offloading
-    gradient_checkpointing: bool | Literal["offload"] = False
+    # `offload`: Axolotl's older spelling of true plus activation_offloading; `unsloth`: its name before that
+    gradient_checkpointing: bool | Literal["offload", "unsloth"] = False
     gradient_checkpointing_kwargs: CheckpointingKwargs = CheckpointingKwargs()
     # saved activations in host memory until the backward pass; legacy / hidden_states are Axolotl's variants
     activation_offloading: bool | Literal["legacy", "hidden_states"] = False
 
+    _checkpointing_as_written: str | None = PrivateAttr(None)
+
     def check(self) -> None:
+        if self.gradient_checkpointing == "unsloth":
+            self._checkpointing_as_written = "unsloth"
+            self.gradient_checkpointing = "offload"
         if self.gradient_checkpointing == "offload":  # Axolotl's normalization of its older spelling
             self.gradient_checkpointing, self.activation_offloading = True, True
         if self.activation_offloading and not self.gradient_checkpointing:
@@ -30,3 +37,13 @@ class MemoryKeys(Feature):
                 "activation_offloading needs `gradient_checkpointing: true`, as in Axolotl: set it, or remove "
                 "activation_offloading"
             )
+
+    def notes(self) -> list[str]:
+        if self._checkpointing_as_written != "unsloth":
+            return []
+        return [
+            (
+                "gradient_checkpointing: unsloth is older Axolotl's name of `gradient_checkpointing: offload`: "
+                "checkpointed layers, their saved activations kept in host memory"
+            )
+        ]

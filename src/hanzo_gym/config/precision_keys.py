@@ -18,5 +18,7 @@ class PrecisionKeys(Feature):
     def check(self) -> None:
         if self.bfloat16:
             if self.bf16 is False:
-                raise ValueError("bfloat16: true casts the model to bf16, and the config also says bf16: false")
+                raise ValueError(
+                    "bfloat16: true casts the model to bf16, and the config also says bf16: false"
+                )
             self.bf16 = True

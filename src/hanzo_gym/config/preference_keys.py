@@ -99,7 +99,9 @@ class PreferenceKeys(Feature):
             if self.dpo_loss_weights is not None and len(self.dpo_loss_weights) != len(types):
                 raise ValueError("dpo_loss_weights needs one weight per dpo_loss_type entry")
             if "sft" in types and self.rpo_alpha is not None:
-                raise ValueError("rpo_alpha and dpo_loss_type `sft` both weight the chosen NLL; give one of them")
+                raise ValueError(
+                    "rpo_alpha and dpo_loss_type `sft` both weight the chosen NLL; give one of them"
+                )
         if self.dpo_label_smoothing and method != "dpo":
             raise ValueError(f"dpo_label_smoothing applies to rl: dpo (sigmoid), not rl: {method}")
         if self.dpo_label_smoothing and "ipo" in self.dpo_terms:

@@ -53,7 +53,9 @@ class ScheduleKeys(Feature):
                 "lr_scheduler: cosine_with_min_lr needs `cosine_min_lr_ratio` (the final lr as a fraction of "
                 "learning_rate, e.g. 0.1)"
             )
-        if self.lr_quadratic_warmup and (self.lr_scheduler != "cosine" or self.cosine_min_lr_ratio is not None):
+        if self.lr_quadratic_warmup and (
+            self.lr_scheduler != "cosine" or self.cosine_min_lr_ratio is not None
+        ):
             raise ValueError(
                 "lr_quadratic_warmup is Axolotl's cosine schedule with a quadratic warmup: it needs "
                 "`lr_scheduler: cosine` without cosine_min_lr_ratio (with it, Axolotl drops the minimum); "

@@ -26,17 +26,19 @@ from hanzo_gym.config.batching_keys import BatchingKeys
 from hanzo_gym.config.checkpoint_keys import CheckpointKeys
 from hanzo_gym.config.dataset_keys import DatasetConfig, DatasetKeys
 from hanzo_gym.config.eval_keys import EvalKeys
-from hanzo_gym.config.feature import StrictKeys, check_features
+from hanzo_gym.config.feature import StepsOrFraction, StrictKeys, check_features
 from hanzo_gym.config.grpo_keys import GrpoKeys
 from hanzo_gym.config.kernel_keys import KernelKeys
 from hanzo_gym.config.memory_keys import MemoryKeys
 from hanzo_gym.config.model_quantization_keys import ModelQuantizationKeys
+from hanzo_gym.config.older_axolotl_keys import OlderAxolotlKeys
 from hanzo_gym.config.peft_keys import PeftKeys
 from hanzo_gym.config.precision_keys import PrecisionKeys
 from hanzo_gym.config.preference_keys import PreferenceKeys
 from hanzo_gym.config.schedule_keys import ScheduleKeys
 from hanzo_gym.config.tokenizer_keys import TokenizerKeys
 from hanzo_gym.config.tracking import TrackingKeys
+from hanzo_gym.config.trainer_keys import TrainerKeys
 from hanzo_gym.config.vllm_keys import VllmKeys
 from hanzo_gym.config.watchdog_keys import WatchdogKeys
 from hanzo_gym.config.yaml_source import load_yaml_file
@@ -51,6 +53,9 @@ MAX_SEED = 2**32 - 1
 class Config(
     StrictKeys,
     # the features, each a group of Axolotl keys with its rules; their checks run in this order
+    # first: HF's save and eval strategies and older Axolotl's names become today's keys, which later checks read
+    TrainerKeys,
+    OlderAxolotlKeys,
     KernelKeys,
     MemoryKeys,
     PrecisionKeys,
@@ -99,7 +104,7 @@ class Config(
     adam_epsilon: float = Field(1e-8, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0)
-    logging_steps: int = Field(10, ge=1)
+    logging_steps: StepsOrFraction = 10
     seed: int = Field(42, ge=0, le=MAX_SEED)
     # Axolotl's `strict`: whether command-line overrides may add keys the YAML lacks. hanzo-gym takes no
     # overrides (the YAML is the whole config) and refuses unknown keys either way, so both values load.
@@ -161,10 +166,33 @@ def _line_of(lines: dict, loc: tuple) -> int | None:
 _DATASETS_REQUIRED = "`datasets` is required: list at least one dataset, each with its `path` and `type`"
 
 
+# the names pydantic gives the members of a union in an error's path (`gradient_checkpointing.bool`)
+_TYPE_TAGS = {"bool", "int", "float", "str", "list", "dict", "set", "tuple", "none", "bytes"}
+
+
+def _is_key(part: str | int) -> bool:
+    """A key or index the user wrote, not a tag pydantic adds to an error's path ('literal[...]',
+    'function-after[...]', 'constrained-int', a union member's type)."""
+    return isinstance(part, int) or not ("[" in part or "-" in part or part in _TYPE_TAGS)
+
+
+def _merge_union_errors(errors: list[dict]) -> list[dict]:
+    """One error per key: a value that fits no member of a union fails once for each, under the same key."""
+    merged: dict[tuple, dict] = {}
+    for error in errors:
+        loc = tuple(p for p in error["loc"] if _is_key(p))
+        first = merged.get(loc)
+        if first is None or error["type"] == "extra_forbidden" or first["type"] == "extra_forbidden":
+            merged.setdefault(loc if first is None else (*loc, len(merged)), {**error, "loc": loc})
+            continue
+        also = error["msg"].removeprefix("Value error, ").removeprefix("Input should be ")
+        merged[loc] = {**first, "type": "union", "msg": f"{first['msg']} or {also}"}
+    return list(merged.values())
+
+
 def _describe(error: dict, source: str, lines: dict) -> tuple[int, str]:
     """(line, message) of one pydantic error."""
-    # pydantic appends tags such as 'literal[...]' or 'function-after[...]' to loc: keep only real keys.
-    loc = tuple(p for p in error["loc"] if isinstance(p, int) or "[" not in p)
+    loc = tuple(p for p in error["loc"] if _is_key(p))
     line = (_line_of(lines, loc) if loc else None) or 0
     where = f"{source}:{line}" if line else source
     key = _dotted(loc)
@@ -289,7 +317,7 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        for error in exc.errors():
+        for error in _merge_union_errors(exc.errors()):
             if error["loc"] and error["loc"][0] in refused_keys:
                 continue  # `adapter: full` was refused above; "adapter is required" would only repeat it
             problems.append(_describe(error, source, lines))

@@ -19,6 +19,28 @@ class SpecialTokens(StrictKeys):
     unk_token: str | None = None
 
 
+def known_chat_template(value: str | None) -> str | None:
+    """`value` if it names a chat template or is one; ValueError saying what is allowed otherwise."""
+    from hanzo_gym.renderers.chat_templates import (
+        FALLBACK_PREFIX,
+        TOKENIZER_DEFAULT,
+        is_jinja,
+        template_names,
+    )
+
+    if value is None or is_jinja(value):
+        return value
+    name = value.removeprefix(FALLBACK_PREFIX)
+    if value != TOKENIZER_DEFAULT and name not in template_names():
+        close = close_misspelling(name, template_names())
+        hint = f"did you mean `{close}`? " if close else ""
+        raise ValueError(
+            f"unknown template; {hint}use {TOKENIZER_DEFAULT}, {FALLBACK_PREFIX}<name>, inline Jinja, "
+            f"or one of {', '.join(template_names())}"
+        )
+    return value
+
+
 class TokenizerKeys(Feature):
     tokenizer_config: str | None = None
     tokenizer_type: str | None = None  # Axolotl's tokenizer class, checked against what loads
@@ -31,27 +53,7 @@ class TokenizerKeys(Feature):
     # the tokens that end a turn, trained with it (renderers/chat_templates.py)
     eot_tokens: list[str] | None = None
 
-    @field_validator("chat_template")
-    @classmethod
-    def _known_chat_template(cls, value: str | None) -> str | None:
-        from hanzo_gym.renderers.chat_templates import (
-            FALLBACK_PREFIX,
-            TOKENIZER_DEFAULT,
-            is_jinja,
-            template_names,
-        )
-
-        if value is None or is_jinja(value):
-            return value
-        name = value.removeprefix(FALLBACK_PREFIX)
-        if value != TOKENIZER_DEFAULT and name not in template_names():
-            close = close_misspelling(name, template_names())
-            hint = f"did you mean `{close}`? " if close else ""
-            raise ValueError(
-                f"unknown template; {hint}use {TOKENIZER_DEFAULT}, {FALLBACK_PREFIX}<name>, inline Jinja, "
-                f"or one of {', '.join(template_names())}"
-            )
-        return value
+    _known_chat_template = field_validator("chat_template")(known_chat_template)
 
     @property
     def uses_mistral_common(self) -> bool:

@@ -26,7 +26,7 @@ from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.data.dataset import DatasetStats, dedupe_shuffle_split, total_stats
 from hanzo_gym.data.preference_transforms import as_passthrough
 from hanzo_gym.data.sources import Row, read_rows
-from hanzo_gym.data.strategies import StrategyContext
+from hanzo_gym.data.strategies import StrategyContext, role_names
 from hanzo_gym.errors import DataError
 from hanzo_gym.renderers.base import RendererError
 
@@ -143,17 +143,6 @@ def templated_texts(row: Row, ds_type: str, kto: bool = False) -> tuple[str, ...
 # -- conversations ----------------------------------------------------------------------------------------------
 
 
-def _role_names(ds: DatasetConfig) -> dict[str, str]:
-    """A row's role name → the canonical role, from Axolotl's `roles` mapping (identity when absent)."""
-    inverse = ds.roles or {
-        "user": ["user"],
-        "assistant": ["assistant"],
-        "system": ["system"],
-        "tool": ["tool"],
-    }
-    return {source: target for target, sources in inverse.items() for source in sources}
-
-
 def _message(value: Any, row: Row, ds: DatasetConfig, where: str, default_role: str) -> dict[str, str]:
     mapping = ds.mappings
     if isinstance(value, str):
@@ -161,7 +150,7 @@ def _message(value: Any, row: Row, ds: DatasetConfig, where: str, default_role: 
     if not isinstance(value, dict):
         raise DataError(f"{_where(row)}: {where} is neither a string nor a message object")
     role, content = value.get(mapping.role), value.get(mapping.content)
-    names = _role_names(ds)
+    names = role_names(ds)
     if not isinstance(role, str) or role not in names:
         raise DataError(
             f"{_where(row)}: {where} has role {role!r}, which `roles` does not map (known: {', '.join(names)})"

@@ -79,6 +79,17 @@ def canonical_role(role: str) -> str:
     return ROLE_ALIASES.get(role, role)
 
 
+def role_names(ds: DatasetConfig) -> dict[str, str]:
+    """A row's role name → the canonical role, from Axolotl's `roles` mapping (identity when absent)."""
+    inverse = ds.roles or {
+        "user": ["user"],
+        "assistant": ["assistant"],
+        "system": ["system"],
+        "tool": ["tool"],
+    }
+    return {source: target for target, sources in inverse.items() for source in sources}
+
+
 def chat_messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
     """The row's turns as template messages: mapped `role`/`content`, canonical roles, and the row's `system`
     field prepended as a system turn unless the conversation starts with one (a leading system turn is left
@@ -90,6 +101,7 @@ def chat_messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
         field = ds.field_messages
         raise DataError(f"{where}: row has no `{field}` list (field_messages = `{field}`)")
     mapping = ds.mappings
+    names = role_names(ds) if ds.roles else None  # Axolotl's `roles`: only the names it maps
     messages = []
     for number, turn in enumerate(turns, start=1):
         if not isinstance(turn, dict):
@@ -100,9 +112,13 @@ def chat_messages(row: Row, ds: DatasetConfig) -> list[dict[str, Any]]:
                 f"{where}: message {number} has no `role` string "
                 f"(message_property_mappings.role = `{mapping.role}`)"
             )
+        if names is not None and role not in names:
+            raise DataError(
+                f"{where}: message {number} has role {role!r}, which `roles` does not map (known: {', '.join(names)})"
+            )
         content = _message_text(turn.get(mapping.content), f"{where}: message {number}", mapping.content)
         message = {key: value for key, value in turn.items() if key not in (mapping.role, mapping.content)}
-        message.update(role=canonical_role(role), content=content)
+        message.update(role=names[role] if names is not None else canonical_role(role), content=content)
         if ds.field_thinking != ds.template_thinking_key and ds.field_thinking in message:
             message[ds.template_thinking_key] = message.pop(ds.field_thinking)
         messages.append(message)

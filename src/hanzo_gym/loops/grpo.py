@@ -287,7 +287,7 @@ def _train(
                 "time/train": time.perf_counter() - clock,
             }
             tail.finish_step(values, StepPlace(epoch, index, per_epoch))
-            if completion_log is not None and (tail.step % cfg.logging_steps == 0 or tail.done):
+            if completion_log is not None and (tail.step % tail.log_every == 0 or tail.done):
                 completion_log.flush(tail.step)
         if tail.done:
             break

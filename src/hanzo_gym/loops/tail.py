@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hanzo_gym.config import Config
+from hanzo_gym.config.feature import steps_of
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine.state_files import load_engine_state
 from hanzo_gym.errors import GymError
@@ -70,11 +71,12 @@ def check_finite_adapter(engine: Engine, step: int, cfg: Config) -> None:
         raise TrainingDiverged(step, {"adapter weights": math.nan}, cfg)
 
 
-def _every(steps: int | None, per_epoch: int | None, total: int, epochs: int) -> int | None:
-    """A cadence in steps: as given, or Axolotl's count per epoch, which it passes to HF as the fraction
-    1 / (count × epochs) of the run and HF turns into ceil(total × fraction) steps."""
+def _every(steps: float | None, per_epoch: int | None, total: int, epochs: int) -> int | None:
+    """A cadence in steps: as given (a fraction of the run's steps as HF reads it), or Axolotl's count per epoch,
+    which it passes to HF as the fraction 1 / (count × epochs) of the run and HF turns into ceil(total ×
+    fraction) steps."""
     if steps is not None or per_epoch is None:
-        return steps
+        return steps_of(steps, total)
     return max(1, math.ceil(total / (per_epoch * epochs)))
 
 
@@ -173,7 +175,8 @@ class LoopTail:
         line: Callable[[dict], str],
     ):
         self.engine, self.cfg, self.run, self.plan, self.total = engine, cfg, run, plan, total
-        self._evaluate, self._row, self._line = evaluate, row, line
+        self._evaluate = evaluate if cfg.evaluates else None  # eval_strategy: no
+        self._row, self._line = row, line
         self.position = starting_position(engine, run, plan, resume_from)
         # Only now, with a checkpoint to resume from accepted: a refused resume leaves run_config.json as it was.
         run.write_config(cfg.model_dump(mode="json"))
@@ -182,6 +185,7 @@ class LoopTail:
         self.progress = Progress(total, self.step)
         self.say = self.progress.say
         self.started = time.perf_counter()
+        self.log_every = steps_of(cfg.logging_steps, total)
         self.eval_every = _every(cfg.eval_steps, cfg.evals_per_epoch, total, cfg.num_epochs)
         self.save_every = _every(cfg.save_steps, cfg.saves_per_epoch, total, cfg.num_epochs)
         self.last_eval: dict[str, float] | None = None
@@ -260,7 +264,7 @@ class LoopTail:
         self.progress.advance()
         self.window.add(values)
         self._watch_loss()
-        logged = self.step % cfg.logging_steps == 0 or self.done
+        logged = self.step % self.log_every == 0 or self.done
         if logged:
             self._log_window(place)
         periodic = self.eval_every and self.step % self.eval_every == 0

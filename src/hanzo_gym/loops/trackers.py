@@ -107,7 +107,7 @@ class WandbTracker(Tracker):
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         if cfg.wandb_watch not in (None, False, "false"):
-            self.run.watch(model, log=cfg.wandb_watch, log_freq=max(100, cfg.logging_steps))
+            self.run.watch(model, log=cfg.wandb_watch, log_freq=max(100, int(cfg.logging_steps)))
         mode = f" ({cfg.wandb_mode})" if cfg.wandb_mode else ""
         print(f"W&B: run {self.run.name} in project {settings['project']}{mode}", flush=True)
 

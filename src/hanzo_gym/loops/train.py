@@ -10,6 +10,7 @@ from peft import PeftModel, prepare_model_for_kbit_training
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hanzo_gym.config import Config
+from hanzo_gym.config.feature import feature_notes
 from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
 from hanzo_gym.data.dataset import excess_length_note, load_examples
 from hanzo_gym.data.debug_print import describe_item
@@ -263,6 +264,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     precision = run_precision(cfg)
     device, dtype = precision.device, precision.dtype
     say(precision.describe())  # the run's first line: what it computes in, and why
+    say(*feature_notes(cfg))  # older spellings as they were read, keys that change nothing here
     plan = LoadPlan.from_config(cfg, device, dtype)  # base_model found and its config.json read, once
     tokenizer = load_run_tokenizer(cfg, plan.source)
     check_loader_class(

@@ -143,7 +143,9 @@ def _frozen_linear(weight: torch.Tensor, quantize: dict | None) -> nn.Module:
             compress_statistics=quantize["double_quant"],
             quant_type=quantize["quant_type"],
         ).to(weight.device)
-        layer.support_avx512bf16_for_cpu = False  # the training path (model/hub.py's _keep_4bit_weights_trainable)
+        layer.support_avx512bf16_for_cpu = (
+            False  # the training path (model/hub.py's _keep_4bit_weights_trainable)
+        )
         return layer
     layer = bnb.nn.Linear8bitLt(
         in_features,
@@ -165,7 +167,9 @@ def delinearized(model: nn.Module) -> int:
     found = [(path, m) for path, m in model.named_modules() if isinstance(m, LinearizedLlama4Experts)]
     for path, linear in found:
         if not all(isinstance(layer, nn.Linear) for layer in linear.gate_projs):
-            raise ModelError(f"{path}: quantized expert layers cannot be written back as full-precision weights")
+            raise ModelError(
+                f"{path}: quantized expert layers cannot be written back as full-precision weights"
+            )
         weight = linear.gate_projs[0].weight
         with torch.device("meta"):
             stacked = stacked_class(_text_config(model))

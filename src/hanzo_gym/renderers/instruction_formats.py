@@ -14,9 +14,7 @@ ALPACA_SYSTEM = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
     "Write a response that appropriately completes the request."
 )
-ALPACA_SYSTEM_NO_INPUT = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
-)
+ALPACA_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
 
 
 @dataclass(frozen=True)

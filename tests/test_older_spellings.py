@@ -1,0 +1,269 @@
+"""Spellings users' configs carry from older Axolotl releases and from HF's Trainer: each read with its meaning
+(checked against transformers' and Axolotl's own code where they have one), or accepted with a line saying why
+it changes nothing, and a value nothing accepts named in one sentence."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from config_files import parse_minimal, refusal_of, write_tiny_run
+from transformers import TrainerState, TrainingArguments
+
+from hanzo_gym.cli import main
+from hanzo_gym.config.feature import feature_notes, steps_of
+from hanzo_gym.data.dataset import load_examples
+
+# -- HF Trainer's strategies and fractional step counts --------------------------------------------------------
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25, 0.33, 0.999])
+@pytest.mark.parametrize("total", [1, 7, 30, 1001])
+def test_a_fraction_of_the_run_is_the_step_count_hf_computes(fraction, total, tmp_path):
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        logging_steps=fraction,
+        eval_strategy="steps",
+        eval_steps=fraction,
+        save_steps=fraction,
+        report_to=[],
+    )
+    state = TrainerState()
+    state.compute_steps(args, total)
+    assert steps_of(fraction, total) == state.logging_steps == state.eval_steps == state.save_steps
+
+
+def test_hf_strategies_become_axolotls_keys_with_hfs_defaults(tmp_path):
+    hf = TrainingArguments(output_dir=str(tmp_path), eval_strategy="steps", logging_steps=7, report_to=[])
+    cfg = parse_minimal(eval_strategy="steps", logging_steps=7, val_set_size=0.1, save_strategy="steps")
+    assert cfg.eval_steps == hf.eval_steps == 7
+    assert cfg.save_steps == TrainingArguments(output_dir=str(tmp_path), report_to=[]).save_steps
+    cfg = parse_minimal(evaluation_strategy="epoch", save_strategy="epoch", val_set_size=0.1)
+    assert (cfg.evals_per_epoch, cfg.saves_per_epoch, cfg.eval_steps, cfg.save_steps) == (1, 1, None, None)
+    cfg = parse_minimal(save_strategy="steps", save_steps=0.25, eval_strategy="steps", eval_steps=5)
+    assert (cfg.save_steps, cfg.eval_steps) == (0.25, 5)
+    assert parse_minimal(eval_strategy="no", val_set_size=0.1).evaluates is False
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"save_strategy": "epoch", "save_steps": 10}, "save_strategy: epoch and `save_steps` disagree"),
+        ({"save_strategy": "no", "saves_per_epoch": 2}, "save_strategy: no and `saves_per_epoch` disagree"),
+        ({"eval_strategy": "epoch", "eval_steps": 10}, "eval_strategy: epoch and `eval_steps` disagree"),
+        ({"eval_strategy": "no", "evaluation_strategy": "steps"}, "disagree; give eval_strategy only"),
+        ({"save_strategy": "best"}, "save_strategy: best saves whenever"),
+        (
+            {"eval_strategy": "no", "val_set_size": 0.1, "early_stopping_patience": 2},
+            "early_stopping_patience acts on evaluations, which eval_strategy: no turns off",
+        ),
+        ({"eval_steps": 1.5}, "`eval_steps` = 1.5: give a whole number of steps (1 or more) or a fraction"),
+        ({"logging_steps": 0}, "`logging_steps` = 0: give a whole number of steps"),
+    ],
+)
+def test_strategies_that_disagree_are_refused_in_one_sentence(keys, message):
+    assert message in refusal_of(**keys)
+
+
+def test_axolotl_refuses_the_same_strategy_mismatches():
+    """Axolotl's own validators (its schema mixins, called on the raw keys) refuse what we refuse."""
+    validation = pytest.importorskip("axolotl.utils.schemas.validation")
+    check = next(
+        getattr(mixin, "check_saves")
+        for mixin in vars(validation).values()
+        if isinstance(mixin, type) and "check_saves" in vars(mixin)
+    )
+    with pytest.raises(ValueError, match="save_strategy and save_steps mismatch"):
+        check({"save_strategy": "epoch", "save_steps": 10})
+    assert check({"save_strategy": "steps", "save_steps": 10})
+
+
+def test_a_value_that_fits_no_member_of_a_union_gets_one_sentence_under_the_key_written():
+    message = refusal_of(gradient_checkpointing="sometimes")
+    assert message.count("\n") == 0 and "`gradient_checkpointing` = 'sometimes'" in message
+    assert ".bool" not in message and "'offload'" in message
+
+
+# -- older Axolotl's keys -----------------------------------------------------------------------------------------
+
+
+def test_older_axolotl_keys_become_todays_or_say_why_they_change_nothing():
+    cfg = parse_minimal(
+        is_mistral_derived_model=True,
+        is_llama_derived_model=False,
+        eval_table_max_new_tokens=64,
+        gradient_checkpointing="unsloth",
+        dataset_keep_in_memory=True,
+        dataloader_num_workers=4,
+        base_model_config="unused",
+    )
+    assert cfg.eval_max_new_tokens == 64
+    assert (cfg.gradient_checkpointing, cfg.activation_offloading) == (True, True)
+    notes = "\n".join(feature_notes(cfg))
+    assert "eval_table_max_new_tokens is older Axolotl's name of eval_max_new_tokens" in notes
+    assert "is_llama_derived_model, is_mistral_derived_model: older Axolotl's model-family flags" in notes
+    assert (
+        "gradient_checkpointing: unsloth is older Axolotl's name of `gradient_checkpointing: offload`"
+        in notes
+    )
+    assert "dataset_keep_in_memory changes nothing" in notes and "dataloader_num_workers: HF's" in notes
+    assert feature_notes(parse_minimal()) == []
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (
+            {"eval_table_max_new_tokens": 64, "eval_max_new_tokens": 32},
+            "eval_table_max_new_tokens: 64 (older Axolotl's name of eval_max_new_tokens) and eval_max_new_tokens: 32",
+        ),
+        (
+            {"base_model_config": "other/model"},
+            "base_model_config: other/model reads the model's config.json",
+        ),
+        ({"s2_attention": True}, "shifted-sparse attention, which Axolotl no longer supports either"),
+    ],
+)
+def test_older_keys_asking_for_what_is_not_here_are_refused(keys, message):
+    assert message in refusal_of(**keys)
+
+
+# -- older dataset types ------------------------------------------------------------------------------------------
+
+SHAREGPT_ROWS = [
+    {
+        "conversations": [
+            {"from": "system", "value": "Answer briefly."},
+            {"from": "human", "value": f"What is {a} plus 2?"},
+            {"from": "gpt", "value": f"{a + 2}."},
+            {"from": "human", "value": "And doubled?"},
+            {"from": "gpt", "value": f"{2 * (a + 2)}."},
+        ]
+    }
+    for a in range(4)
+]
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def _examples(cfg, tokenizer):
+    return [(e.input_ids, e.labels) for e in load_examples(cfg, tokenizer).train]
+
+
+def test_sharegpt_trains_the_same_tokens_as_its_chat_template_spelling(tmp_path, qwen3_tokenizer):
+    path = _write(tmp_path / "chats.jsonl", SHAREGPT_ROWS)
+    older = parse_minimal(datasets=[{"path": path, "type": "sharegpt", "conversation": "chatml"}])
+    modern = parse_minimal(
+        chat_template="chatml",
+        datasets=[
+            {
+                "path": path,
+                "type": "chat_template",
+                "field_messages": "conversations",
+                "message_property_mappings": {"role": "from", "content": "value"},
+                "roles": {"user": ["human"], "assistant": ["gpt"], "system": ["system"]},
+            }
+        ],
+    )
+    assert older.chat_template == "chatml" and older.datasets[0].type == "chat_template"
+    assert _examples(older, qwen3_tokenizer) == _examples(modern, qwen3_tokenizer)
+    assert len(_examples(older, qwen3_tokenizer)) == 4
+    (note,) = feature_notes(older)
+    assert note.startswith(
+        f"{path}: type: sharegpt is type: chat_template with field_messages: conversations"
+    )
+    assert "chat_template: chatml" in note
+
+
+def test_sharegpt_with_its_own_role_names_and_load_role(tmp_path, qwen3_tokenizer):
+    rows = [
+        {"conversations": [{"from": "user", "value": "Hi?"}, {"from": "assistant", "value": "Hello."}]},
+        {"conversations": [{"from": "asker", "value": "Hi?"}, {"from": "bot", "value": "Hello."}]},
+    ]
+    path = _write(tmp_path / "own.jsonl", rows)
+    cfg = parse_minimal(
+        chat_template="chatml",
+        datasets=[{"path": path, "type": "sharegpt", "field_human": "asker", "field_model": "bot"}],
+    )
+    first, second = _examples(cfg, qwen3_tokenizer)
+    assert first == second
+    role_rows = [
+        {"conversations": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    ]
+    by_role = parse_minimal(
+        chat_template="chatml",
+        datasets=[{"path": _write(tmp_path / "r.jsonl", role_rows), "type": "sharegpt.load_role"}],
+    )
+    assert _examples(by_role, qwen3_tokenizer) == [first]
+
+
+def test_oasst_is_the_alpaca_prompt_over_its_instruction_and_response(tmp_path, qwen3_tokenizer):
+    path = _write(tmp_path / "oa.jsonl", [{"INSTRUCTION": "Say hi.", "RESPONSE": "Hi!"}])
+    same = _write(tmp_path / "alpaca.jsonl", [{"instruction": "Say hi.", "output": "Hi!"}])
+    older = parse_minimal(datasets=[{"path": path, "type": "oasst"}])
+    alpaca = parse_minimal(datasets=[{"path": same, "type": "alpaca"}])
+    assert _examples(older, qwen3_tokenizer) == _examples(alpaca, qwen3_tokenizer) != []
+    assert "type: oasst is type: alpaca with field_instruction: INSTRUCTION" in feature_notes(older)[0]
+
+
+@pytest.mark.parametrize(
+    ("dataset", "keys", "message"),
+    [
+        (
+            {"type": "sharegpt", "conversation": "vicuna_v1.1"},
+            {},
+            "conversation: vicuna_v1.1 (a FastChat template",
+        ),
+        ({"type": "sharegpt", "conversation": "chatml"}, {"chat_template": "llama3"}, "disagree; give one"),
+        (
+            {"type": "alpaca", "conversation": "chatml"},
+            {},
+            "conversation is a key of older Axolotl's `type: sharegpt`",
+        ),
+        ({"type": "alpaca", "ds_type": "parquet"}, {}, "ds_type: parquet and path d.jsonl disagree"),
+        ({"type": "alpaca", "ds_type": "csv"}, {}, "ds_type: csv files are not read yet"),
+    ],
+)
+def test_older_dataset_keys_that_cannot_be_read_as_written_are_refused(dataset, keys, message):
+    assert message in refusal_of(datasets=[{"path": "d.jsonl", **dataset}], **keys)
+
+
+def test_datasets_own_chat_templates_must_agree():
+    two = [
+        {"path": "a.jsonl", "type": "chat_template", "chat_template": "chatml"},
+        {"path": "b.jsonl", "type": "chat_template", "chat_template": "llama3"},
+    ]
+    assert "datasets give chat templates chatml, llama3; a run renders with one" in refusal_of(datasets=two)
+    one = parse_minimal(
+        datasets=[{**two[0], "ds_type": "json", "data_files": "a.jsonl", "train_on_split": "x"}]
+    )
+    assert one.chat_template == "chatml" and one.datasets[0].data_files == ["a.jsonl"]
+    assert "train_on_split is not an Axolotl key and is ignored" in feature_notes(one)[0]
+
+
+def test_an_older_config_trains_and_says_how_it_read_its_keys(tmp_path, tiny_base, capsys):
+    path = _write(tmp_path / "chats.jsonl", SHAREGPT_ROWS * 2)
+    run = write_tiny_run(
+        tmp_path,
+        tiny_base,
+        path,
+        datasets=[{"path": path, "type": "sharegpt", "conversation": "chatml"}],
+        is_mistral_derived_model=True,
+        save_strategy="no",
+        logging_steps=0.5,
+        max_steps=4,
+        micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        sequence_len=128,
+    )
+    assert main(["train", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "type: sharegpt is type: chat_template" in out and "model-family flags change nothing" in out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == [2, 4]  # logging_steps 0.5 of 4 steps
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+    assert math.isfinite(rows[-1]["loss"])
