@@ -70,7 +70,7 @@ def test_axolotl_refuses_the_same_strategy_mismatches():
     """Axolotl's own validators (its schema mixins, called on the raw keys) refuse what we refuse."""
     validation = pytest.importorskip("axolotl.utils.schemas.validation")
     check = next(
-        getattr(mixin, "check_saves")
+        mixin.check_saves
         for mixin in vars(validation).values()
         if isinstance(mixin, type) and "check_saves" in vars(mixin)
     )
@@ -102,12 +102,14 @@ def test_older_axolotl_keys_become_todays_or_say_why_they_change_nothing():
     assert (cfg.gradient_checkpointing, cfg.activation_offloading) == (True, True)
     notes = "\n".join(feature_notes(cfg))
     assert "eval_table_max_new_tokens is older Axolotl's name of eval_max_new_tokens" in notes
-    assert "is_llama_derived_model, is_mistral_derived_model: older Axolotl's model-family flags" in notes
+    assert "is_mistral_derived_model: changes nothing here: older Axolotl's model-family flag" in notes
+    assert "is_llama_derived_model" not in notes  # false asks for nothing
     assert (
         "gradient_checkpointing: unsloth is older Axolotl's name of `gradient_checkpointing: offload`"
         in notes
     )
-    assert "dataset_keep_in_memory changes nothing" in notes and "dataloader_num_workers: HF's" in notes
+    assert "dataset_keep_in_memory: changes nothing here: the tokenized datasets are held in memory" in notes
+    assert "dataloader_num_workers: changes nothing here" in notes
     assert feature_notes(parse_minimal()) == []
 
 
@@ -262,8 +264,62 @@ def test_an_older_config_trains_and_says_how_it_read_its_keys(tmp_path, tiny_bas
     )
     assert main(["train", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "type: sharegpt is type: chat_template" in out and "model-family flags change nothing" in out
+    assert "type: sharegpt is type: chat_template" in out and "is_mistral_derived_model: changes nothing" in out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "loss" in row] == [2, 4]  # logging_steps 0.5 of 4 steps
     assert not list((tmp_path / "run").glob("checkpoint-*"))
     assert math.isfinite(rows[-1]["loss"])
+
+
+# -- NEFTune --------------------------------------------------------------------------------------------------
+
+
+def test_embedding_noise_is_hfs_neftune_draw_for_draw():
+    import torch
+    from torch import nn
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    from hanzo_gym.model.embedding_noise import add_embedding_noise
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 24)
+
+        def get_input_embeddings(self):
+            return self.embed
+
+    ours, theirs = Tiny(), Tiny()
+    theirs.load_state_dict(ours.state_dict())
+    add_embedding_noise(ours, 5.0)
+    theirs.embed.neftune_noise_alpha = 5.0
+    theirs.embed.register_forward_hook(neftune_post_forward_hook)
+    ids = torch.randint(0, 50, (3, 11))
+    torch.manual_seed(0)
+    noisy = ours.embed(ids)
+    torch.manual_seed(0)
+    assert torch.equal(noisy, theirs.embed(ids))
+    clean = ours.embed.weight[ids]
+    assert 0 < (noisy - clean).abs().max() <= 5.0 / (11 * 24) ** 0.5
+    ours.eval()
+    assert torch.equal(ours.embed(ids), clean)
+
+
+def test_neftune_trains_and_its_older_name_is_read(tmp_path, tiny_base, chat_data, capsys):
+    run = write_tiny_run(
+        tmp_path, tiny_base, chat_data, noisy_embedding_alpha=5.0, max_steps=2, deepspeed="zero2.json"
+    )
+    assert main(["train", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "noisy_embedding_alpha is older Axolotl's name of neftune_noise_alpha: 5.0" in out
+    assert "deepspeed: one process holds the whole model" in out
+    assert "neftune_noise_alpha adds noise" in refusal_of(rl="grpo", neftune_noise_alpha=5.0)
+
+
+def test_sharding_keys_are_refused_over_several_processes():
+    from hanzo_gym.config.sharding_keys import sharding_refusal
+
+    cfg = parse_minimal(deepspeed="deepspeed_configs/zero3_bf16.json", fsdp=[], fsdp_config={"offload": True})
+    assert cfg.sharding_keys == ["deepspeed", "fsdp_config"] and sharding_refusal(cfg, 1) is None
+    assert sharding_refusal(cfg, 2).startswith("deepspeed, fsdp_config: sharding the model over 2 processes")
+    assert sharding_refusal(parse_minimal(), 4) is None

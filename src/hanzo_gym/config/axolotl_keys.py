@@ -13,17 +13,8 @@ from typing import Any
 
 # key path ("key", "datasets[].key", "trl.key") → (what it does in Axolotl, what to do instead)
 NOT_YET: dict[str, tuple[str, str]] = {
-    "deepspeed": ("DeepSpeed ZeRO sharding", "multi-GPU data-parallel training runs under torchrun"),
-    "fsdp": ("FSDP sharding of the model over GPUs", "multi-GPU data-parallel training runs under torchrun"),
-    "fsdp_config": ("FSDP sharding settings", "multi-GPU data-parallel training runs under torchrun"),
-    "fsdp_version": ("the FSDP version", "multi-GPU data-parallel training runs under torchrun"),
-    "sdp_attention": ("the torch SDPA attention switch", "remove it; models load with sdpa already"),
     "xformers_attention": ("xFormers attention kernels", "remove it; models load with sdpa"),
     "peft_use_dora": ("DoRA (weight-decomposed LoRA)", "remove it; vLLM does not serve DoRA adapters"),
-    "remove_unused_columns": (
-        "dropping the dataset columns the trainer does not read",
-        "remove it or set it false; a dataset type reads only its own fields",
-    ),
     "dpo_use_liger_kernel": (
         "Liger's fused DPO loss kernel",
         "remove it; the loss is computed in chunks already",
@@ -32,10 +23,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "test_datasets": ("separate evaluation datasets", "use `val_set_size`"),
     "fp16": ("float16 mixed precision", "use `bf16` (or `bf16: false` for fp32)"),
     "hub_model_id": ("pushing the result to the Hugging Face Hub", "upload the run directory's adapter"),
-    "auto_resume_from_checkpoints": (
-        "resuming from the latest checkpoint",
-        "use `resume_from_checkpoint: true`",
-    ),
     "chat_template_jinja": ("a Jinja chat template in its own key", "give the Jinja text in `chat_template`"),
     "lr_scheduler_kwargs": ("extra arguments to the lr scheduler", "remove it"),
     "cosine_constant_lr_ratio": ("holding the lr constant at the end of cosine", "remove it"),
@@ -106,7 +93,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("jagged_restart_anneal_steps", "ReLoRA's jagged lr restarts"),
             ("push_dataset_to_hub", "uploading the prepared dataset"),
             ("hf_use_auth_token", "a hub token for private data"),
-            ("lora_fan_in_fan_out", "LoRA on Conv1D-style (fan-in × fan-out) weights"),
             ("llmcompressor", "LLM Compressor's sparsity recipe"),
             ("lisa_n_layers", "LISA (training a few sampled layers)"),
             ("lisa_step_interval", "LISA (training a few sampled layers)"),

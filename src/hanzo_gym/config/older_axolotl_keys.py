@@ -1,6 +1,5 @@
-"""Keys of earlier Axolotl releases that users' configs still carry: each either becomes the key that replaced it
-(the run's first lines say so) or, where today's Axolotl reads it for nothing, is accepted with one line saying
-why it changes nothing here."""
+"""Keys of earlier Axolotl releases that users' configs still carry, each read as the key that replaced it (the
+run's first lines say so). Older keys that change nothing here are config/inert_keys.py's."""
 
 from __future__ import annotations
 
@@ -8,30 +7,14 @@ from pydantic import Field, PrivateAttr
 
 from hanzo_gym.config.feature import Feature
 
-# Older Axolotl's model-family flags: it read them to pick the patches of a family; today's only declares them
-# ("internal use only") and reads the family from the model's config.
-FAMILY_FLAGS = (
-    "is_falcon_derived_model",
-    "is_llama_derived_model",
-    "is_mistral_derived_model",
-    "is_qwen_derived_model",
-)
 # older name → the key that replaced it
 RENAMED = {"eval_table_max_new_tokens": "eval_max_new_tokens"}
 
 
 class OlderAxolotlKeys(Feature):
-    is_falcon_derived_model: bool | None = None
-    is_llama_derived_model: bool | None = None
-    is_mistral_derived_model: bool | None = None
-    is_qwen_derived_model: bool | None = None
     eval_table_max_new_tokens: int | None = Field(None, ge=1)
     # where the model's config.json is read from, when not beside the weights
     base_model_config: str | None = None
-    # datasets' `keep_in_memory` while Axolotl preprocessed them
-    dataset_keep_in_memory: bool | None = None
-    # the system message of Axolotl's chatml template, which has none to replace today
-    default_system_message: str | None = None
 
     _renamed: list[str] = PrivateAttr(default_factory=list)
 
@@ -55,22 +38,7 @@ class OlderAxolotlKeys(Feature):
             )
 
     def notes(self) -> list[str]:
-        flags = [flag for flag in FAMILY_FLAGS if getattr(self, flag) is not None]
         lines = list(self._renamed)
-        if flags:
-            lines.append(
-                f"{', '.join(flags)}: older Axolotl's model-family flags change nothing: the family is read from "
-                "base_model's config.json"
-            )
         if self.base_model_config is not None:
             lines.append("base_model_config is base_model: the model's config.json is read from there")
-        if self.dataset_keep_in_memory is not None:
-            lines.append(
-                "dataset_keep_in_memory changes nothing: the tokenized datasets are held in memory while they train"
-            )
-        if self.default_system_message:
-            lines.append(
-                "default_system_message changes nothing: Axolotl replaces the default system message of its "
-                "chatml template, which has none; give conversations their own system turn"
-            )
         return lines

@@ -25,9 +25,11 @@ from hanzo_gym.config.axolotl_keys import (
 from hanzo_gym.config.batching_keys import BatchingKeys
 from hanzo_gym.config.checkpoint_keys import CheckpointKeys
 from hanzo_gym.config.dataset_keys import DatasetConfig, DatasetKeys
+from hanzo_gym.config.embedding_noise_keys import EmbeddingNoiseKeys
 from hanzo_gym.config.eval_keys import EvalKeys
 from hanzo_gym.config.feature import StepsOrFraction, StrictKeys, check_features
 from hanzo_gym.config.grpo_keys import GrpoKeys
+from hanzo_gym.config.inert_keys import InertKeys
 from hanzo_gym.config.kernel_keys import KernelKeys
 from hanzo_gym.config.memory_keys import MemoryKeys
 from hanzo_gym.config.model_quantization_keys import ModelQuantizationKeys
@@ -36,6 +38,7 @@ from hanzo_gym.config.peft_keys import PeftKeys
 from hanzo_gym.config.precision_keys import PrecisionKeys
 from hanzo_gym.config.preference_keys import PreferenceKeys
 from hanzo_gym.config.schedule_keys import ScheduleKeys
+from hanzo_gym.config.sharding_keys import ShardingKeys
 from hanzo_gym.config.tokenizer_keys import TokenizerKeys
 from hanzo_gym.config.tracking import TrackingKeys
 from hanzo_gym.config.trainer_keys import TrainerKeys
@@ -56,6 +59,7 @@ class Config(
     # first: HF's save and eval strategies and older Axolotl's names become today's keys, which later checks read
     TrainerKeys,
     OlderAxolotlKeys,
+    InertKeys,
     KernelKeys,
     MemoryKeys,
     PrecisionKeys,
@@ -68,9 +72,11 @@ class Config(
     VllmKeys,
     PeftKeys,
     BatchingKeys,
+    ShardingKeys,
     EvalKeys,
     WatchdogKeys,
     TokenizerKeys,
+    EmbeddingNoiseKeys,
     GrpoKeys,
     TrackingKeys,
 ):
@@ -163,6 +169,7 @@ def _line_of(lines: dict, loc: tuple) -> int | None:
     return lines.get(())
 
 
+_LISTED_KEYS = 40  # the most valid keys an unknown key's message lists (the top level has hundreds)
 _DATASETS_REQUIRED = "`datasets` is required: list at least one dataset, each with its `path` and `type`"
 
 
@@ -202,7 +209,12 @@ def _describe(error: dict, source: str, lines: dict) -> tuple[int, str]:
         model = _model_at(loc[:-1])
         valid = sorted(model.model_fields) if model else []
         close = close_misspelling(name, valid)
-        hint = f" did you mean `{close}`?" if close else f" valid keys here: {', '.join(valid)}"
+        if close:
+            hint = f" did you mean `{close}`?"
+        elif len(valid) > _LISTED_KEYS:
+            hint = " it is not a key hanzo-gym reads; the Config reference in README.md lists them"
+        else:
+            hint = f" valid keys here: {', '.join(valid)}"
         return line, f"{where}: unknown key `{key}`;{hint}"
     if loc == ("datasets",) and kind in ("missing", "too_short"):
         return line, f"{where}: {_DATASETS_REQUIRED}"
@@ -224,15 +236,16 @@ def _describe(error: dict, source: str, lines: dict) -> tuple[int, str]:
 
 
 def _without_empty_values(value: Any, loc: tuple[str | int, ...] = ()) -> Any:
-    """Axolotl reads `key:` (no value) as unset: drop the null-valued keys we declare, at every depth, so
-    their defaults apply. An unknown key stays, empty or not, and fails as unknown."""
+    """Axolotl reads `key:` (no value) as unset, and config templates write `key: ""` for the same: drop the
+    null- and empty-string-valued keys we declare, at every depth, so their defaults apply. An unknown key stays,
+    empty or not, and fails as unknown."""
     if isinstance(value, dict):
         model = _model_at(loc)
         declared = model.model_fields if model else {}
         return {
             k: _without_empty_values(v, (*loc, k))
             for k, v in value.items()
-            if not (v is None and k in declared)
+            if not ((v is None or v == "") and k in declared)
         }
     if isinstance(value, list):
         return [_without_empty_values(item, (*loc, i)) for i, item in enumerate(value)]

@@ -49,6 +49,8 @@ class TokenizerKeys(Feature):
     special_tokens: SpecialTokens | None = None
     tokens: list[str] | None = None  # added to the vocabulary (their embeddings must train)
     resize_token_embeddings_to_32x: bool = False  # Axolotl's: grow the embeddings to a multiple of 32 rows
+    # grown embedding rows start at the mean of the old ones; Axolotl's default: the model's own initialisation
+    mean_resizing_embeddings: bool = False
     chat_template: str | None = None
     # the tokens that end a turn, trained with it (renderers/chat_templates.py)
     eot_tokens: list[str] | None = None

@@ -1,6 +1,7 @@
 """Hugging Face Trainer's spellings that Axolotl passes through and users' configs carry: when to save and to
-evaluate (`save_strategy`, `eval_strategy` and its older name `evaluation_strategy`) and the data loader's
-settings. The strategies resolve to Axolotl's own keys here, with HF's meaning (its `IntervalStrategy` and
+evaluate (`save_strategy`, `eval_strategy` and its older name `evaluation_strategy`), which metric picks the
+best checkpoint, where runs are reported (`report_to`, `logging_dir`), resuming (`auto_resume_from_checkpoints`)
+and how long a process waits for the others (`ddp_timeout`). The strategies resolve to Axolotl's own keys here, with HF's meaning (its `IntervalStrategy` and
 defaults); loops/tail.py reads only those."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pydantic import Field
 from hanzo_gym.config.feature import Feature
 
 Strategy = Literal["no", "steps", "epoch"]
+TRACKERS = ("wandb", "tensorboard", "mlflow")
 HF_DEFAULT_SAVE_STEPS = 500  # TrainingArguments.save_steps
 
 
@@ -19,9 +21,22 @@ class TrainerKeys(Feature):
     save_strategy: Literal["no", "steps", "epoch", "best"] | None = None
     eval_strategy: Strategy | None = None
     evaluation_strategy: Strategy | None = None  # HF's name of eval_strategy before transformers 4.46
-    dataloader_num_workers: int | None = Field(None, ge=0)
-    dataloader_pin_memory: bool | None = None
-    dataloader_prefetch_factor: int | None = Field(None, ge=1)
+    # the metric that picks the best checkpoint: the eval loss is the one evaluations compute for every run
+    metric_for_best_model: Literal["loss", "eval_loss"] | None = None
+    greater_is_better: Literal[False] | None = None
+    # HF's integrations: each tracker named turns on the tracker's use_ key
+    report_to: Literal["none", "all", *TRACKERS] | list[Literal["none", "all", *TRACKERS]] | None = None
+    logging_dir: str | None = None  # HF's TensorBoard folder
+    auto_resume_from_checkpoints: bool | None = None  # Axolotl: resume from output_dir's newest checkpoint
+    # HF's seed of the data samplers (each epoch's order); `seed` when unset
+    data_seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    ddp_timeout: float = Field(
+        1800, gt=0
+    )  # seconds a collective waits for the other processes (HF's default)
+
+    @property
+    def sampler_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
 
     @property
     def evaluates(self) -> bool:
@@ -36,6 +51,9 @@ class TrainerKeys(Feature):
             )
         self._resolve_save_strategy()
         self._resolve_eval_strategy()
+        self._resolve_report_to()
+        if self.auto_resume_from_checkpoints and self.resume_from_checkpoint is None:
+            self.resume_from_checkpoint = True
         needs_evals = [
             key
             for key in ("early_stopping_patience", "load_best_model_at_end", "do_causal_lm_eval")
@@ -81,21 +99,18 @@ class TrainerKeys(Feature):
         elif strategy == "steps" and self.eval_steps is None and self.evals_per_epoch is None:
             self.eval_steps = self.logging_steps  # HF: eval_steps defaults to logging_steps
 
-    def notes(self) -> list[str]:
-        loader = [
-            key
-            for key in (
-                "dataloader_num_workers",
-                "dataloader_pin_memory",
-                "dataloader_prefetch_factor",
+    def _resolve_report_to(self) -> None:
+        named = self.report_to if isinstance(self.report_to, list) else [self.report_to]
+        if "all" in named:
+            raise ValueError(
+                "report_to: all reports to every integration installed; name the trackers (wandb, tensorboard, "
+                "mlflow) or set use_wandb / use_tensorboard / use_mlflow"
             )
-            if getattr(self, key) is not None
-        ]
-        if not loader:
-            return []
-        return [
-            (
-                f"{', '.join(loader)}: HF's data-loader settings change nothing here: the tokenized examples are "
-                "batched in the training process, with no loader workers"
+        for tracker in TRACKERS:
+            if tracker in named:
+                setattr(self, f"use_{tracker}", True)
+        if self.logging_dir is not None and not self.use_tensorboard:
+            raise ValueError(
+                "logging_dir is HF's TensorBoard folder, and nothing logs to TensorBoard: set use_tensorboard: true "
+                "(or report_to: tensorboard), or remove logging_dir"
             )
-        ]

@@ -120,18 +120,30 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:int", _YAML12_INT, list("-+0123
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
 
 
+_UNSET = {"", "~", "null", "Null", "NULL", "false", "False", "FALSE"}
+
+
+def _same_setting(first: yaml.Node, second: yaml.Node) -> bool:
+    """A key written twice asks for one thing when both values are the same scalar or both ask for nothing
+    (empty, null or false): config templates repeat such keys, and a YAML reader keeps the last silently."""
+    if not (isinstance(first, yaml.ScalarNode) and isinstance(second, yaml.ScalarNode)):
+        return False
+    return first.value == second.value or (first.value in _UNSET and second.value in _UNSET)
+
+
 def _walk(node: yaml.Node, path: Path_, lines: dict[Path_, int], source: str) -> None:
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
+        seen: dict[Any, tuple[int, yaml.Node]] = {}
         for key_node, value_node in node.value:
             key = key_node.value
             key_line = key_node.start_mark.line + 1
-            if key in seen:
+            if key in seen and not _same_setting(seen[key][1], value_node):
                 raise ConfigError(
-                    f"{source}:{key_line}: key `{key}` appears twice (first on line {seen[key]}); keep one"
+                    f"{source}:{key_line}: key `{key}` appears twice (first on line {seen[key][0]}) with different "
+                    "values; keep one"
                 )
-            seen[key] = key_line
+            seen[key] = (key_line, value_node)
             _walk(value_node, (*path, key), lines, source)
             lines[(*path, key)] = key_line
     elif isinstance(node, yaml.SequenceNode):

@@ -27,8 +27,9 @@ T = TypeVar("T")
 _ENV_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
-def init_from_env() -> bool:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+def init_from_env(timeout_s: float = 3600) -> bool:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+    its collectives failing after `timeout_s` seconds of waiting (HF's `ddp_timeout`).
 
     nccl on CUDA (one GPU per process, chosen by LOCAL_RANK), gloo on CPU. Returns whether training is
     distributed. Idempotent: a second call changes nothing.
@@ -56,7 +57,7 @@ def init_from_env() -> bool:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=60))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
 

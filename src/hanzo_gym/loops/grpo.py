@@ -195,6 +195,7 @@ def _train(
         **adapter_fingerprint(cfg),
         "train_prompts": len(train),
         "seed": cfg.seed,
+        **({"data_seed": cfg.data_seed} if cfg.data_seed is not None else {}),
         "micro_batch_size": prompts_per_step,
     }
     if trl.use_vllm:
@@ -221,7 +222,7 @@ def _train(
         CompletionLog(run, trl.num_completions_to_print, tail.say) if trl.log_completions else None
     )
     for epoch in range(tail.position.epoch, epochs):
-        order = epoch_order(len(train), cfg.seed, epoch)
+        order = epoch_order(len(train), cfg.sampler_seed, epoch)
         for index in range(tail.first_index(epoch), per_epoch):
             if tail.done:
                 break

@@ -254,7 +254,7 @@ def preference_method(cfg: Config, engine: Engine, items: Sequence) -> PairMetho
 
 
 def _windows(cfg: Config, count: int, epoch: int) -> list[list[list[int]]]:
-    order = epoch_order(count, cfg.seed, epoch)
+    order = epoch_order(count, cfg.sampler_seed, epoch)
     batches = [order[i : i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
     accum = cfg.gradient_accumulation_steps * world_size()
     return [batches[i : i + accum] for i in range(0, len(batches), accum)]
@@ -267,6 +267,7 @@ def _plan_fingerprint(cfg: Config, train: Sequence) -> dict:
         "train_items": len(train),
         "train_tokens": sum(item.tokens for item in train),
         "seed": cfg.seed,
+        **({"data_seed": cfg.data_seed} if cfg.data_seed is not None else {}),
         "micro_batch_size": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps * world_size(),
         "sequence_len": cfg.sequence_len,

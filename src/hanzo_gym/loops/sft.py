@@ -48,11 +48,11 @@ def _windows(cfg: Config, train: list[Example], epoch: int) -> list[list[list[in
     pack_to = cfg.sequence_len if cfg.sample_packing else None
     if cfg.group_by_length:  # HF's sampler, over its batch: micro_batch_size × gradient_accumulation_steps
         batch_size = cfg.micro_batch_size * cfg.gradient_accumulation_steps
-        order = length_grouped_order(lengths, batch_size, cfg.seed, epoch)
+        order = length_grouped_order(lengths, batch_size, cfg.sampler_seed, epoch)
     elif cfg.curriculum_sampling:  # Axolotl's sequential sampler: every epoch in the data's own order
         order = list(range(len(train)))
     else:
-        order = epoch_order(len(train), cfg.seed, epoch)
+        order = epoch_order(len(train), cfg.sampler_seed, epoch)
     batches = micro_batches(lengths, order, cfg.micro_batch_size, pack_to)
     accum = cfg.gradient_accumulation_steps * world_size()
     return [batches[i : i + accum] for i in range(0, len(batches), accum)]
@@ -64,6 +64,7 @@ def _plan_fingerprint(cfg: Config, train: list[Example]) -> dict:
         "train_examples": len(train),
         "train_tokens": sum(len(e) for e in train),
         "seed": cfg.seed,
+        **({"data_seed": cfg.data_seed} if cfg.data_seed is not None else {}),
         "micro_batch_size": cfg.micro_batch_size,
         # per window across all processes: a resume on another process count with the same windows is fine
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps * world_size(),

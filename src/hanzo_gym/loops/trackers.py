@@ -16,7 +16,7 @@ with `step` as its x axis; `wandb_watch` gradients / parameters
 / all is `wandb.watch(model, log=…, log_freq=max(100, logging_steps))`; `wandb_log_model: checkpoint` logs each
 checkpoint folder as a `model` artifact (aliases `epoch_<e>`, `checkpoint_global_step_<n>`), `end` the final
 adapter (alias `final_model`). TensorBoard: event files in `output_dir/runs/<date>_<host>` (HF's default logging
-dir; `TENSORBOARD_LOGGING_DIR` overrides it), the config as text `config`. MLflow: the tracking URI and the
+dir; `logging_dir`, then `TENSORBOARD_LOGGING_DIR`, override it), the config as text `config`. MLflow: the tracking URI and the
 experiment when given (else MLflow's own defaults and `MLFLOW_*` variables), a run named `mlflow_run_name`, the
 config as params, each row as metrics (a character MLflow refuses in a name becomes `_`, as HF does).
 """
@@ -150,7 +150,10 @@ class WandbTracker(Tracker):
 
 
 def tensorboard_dir(cfg: Config) -> Path:
-    """HF's default logging dir, which Axolotl keeps: output_dir/runs/<Mon DD_HH-MM-SS>_<host>."""
+    """HF's `logging_dir` when given, else its default, which Axolotl keeps: output_dir/runs/<Mon
+    DD_HH-MM-SS>_<host>."""
+    if cfg.logging_dir:
+        return Path(cfg.logging_dir).expanduser()
     if os.environ.get("TENSORBOARD_LOGGING_DIR"):
         return Path(os.environ["TENSORBOARD_LOGGING_DIR"]).expanduser()
     stamp = datetime.now().strftime("%b%d_%H-%M-%S")

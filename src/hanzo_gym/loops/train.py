@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from hanzo_gym.config import Config
 from hanzo_gym.config.feature import feature_notes
 from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
+from hanzo_gym.config.sharding_keys import sharding_refusal
 from hanzo_gym.data.dataset import excess_length_note, load_examples
 from hanzo_gym.data.debug_print import describe_item
 from hanzo_gym.data.preference import load_preferences
@@ -36,6 +37,7 @@ from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.sft import SftResult, train_sft
 from hanzo_gym.loops.tail import check_finite_adapter
 from hanzo_gym.loops.trackers import open_trackers
+from hanzo_gym.model.embedding_noise import add_embedding_noise
 from hanzo_gym.model.hub import (
     ModelSource,
     Precision,
@@ -70,6 +72,8 @@ def build_engine(cfg: Config, plan: LoadPlan, tokenizer: PreTrainedTokenizerBase
         say(fit_embeddings(model, tokenizer_length, cfg))
     if plan.activations.checkpointing:
         enable_checkpointing(model, plan.activations.reentrant)
+    if plan.embeddings.noise_alpha is not None:
+        add_embedding_noise(model, plan.embeddings.noise_alpha)
     optimizer_factory, fallback_note = build_optimizer_factory(cfg.optimizer, plan.device)
     say(fallback_note)
     if plan.adapter is None:
@@ -260,7 +264,10 @@ def training_data(cfg: Config, tokenizer: PreTrainedTokenizerBase, source: Model
 def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | GrpoResult | PreferenceResult:
     """Train and write the run directory (rank 0 only under torchrun). The final adapter goes to the run
     directory's top level, or into `adapter_dir` (a folder of its own) when given."""
-    init_from_env()
+    init_from_env(cfg.ddp_timeout)
+    refused = sharding_refusal(cfg, world_size())
+    if refused:
+        raise GymError(refused)
     precision = run_precision(cfg)
     device, dtype = precision.device, precision.dtype
     say(precision.describe())  # the run's first line: what it computes in, and why

@@ -47,10 +47,12 @@ class AdapterPlan:
 
 @dataclass(frozen=True)
 class EmbeddingPlan:
-    """Axolotl's `tokens` added to the vocabulary, and `resize_token_embeddings_to_32x`."""
+    """Axolotl's `tokens` added to the vocabulary, `resize_token_embeddings_to_32x`, and NEFTune's noise on the
+    input embeddings while training (`noise_alpha`, model/embedding_noise.py)."""
 
     new_tokens: tuple[str, ...] = ()
     resize_to_32x: bool = False
+    noise_alpha: float | None = None
 
     @property
     def may_grow(self) -> bool:
@@ -117,7 +119,9 @@ class LoadPlan:
             adapter=None if cfg.full_fine_tuning else planned_adapter(cfg),
             autocast_dtype=dtype if cfg.full_fine_tuning and dtype != torch.float32 else None,
             unfrozen_parameters=cfg.unfrozen_parameters,
-            embeddings=EmbeddingPlan(tuple(cfg.tokens or ()), cfg.resize_token_embeddings_to_32x),
+            embeddings=EmbeddingPlan(
+                tuple(cfg.tokens or ()), cfg.resize_token_embeddings_to_32x, cfg.embedding_noise_alpha
+            ),
             activations=ActivationPlan(
                 offloading, checkpointing, cfg.gradient_checkpointing_kwargs.use_reentrant
             ),

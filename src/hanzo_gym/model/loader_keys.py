@@ -131,7 +131,8 @@ def enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
 def fit_embeddings(model: torch.nn.Module, tokenizer_length: int, cfg: Config) -> str | None:
     """Make the embedding matrix (and the output layer) hold the tokenizer's vocabulary, `tokens` included, as
     Axolotl does: grown only when it has fewer rows than the tokenizer's length (rounded up to a multiple of 32
-    under `resize_token_embeddings_to_32x`), the new rows at the mean of the old (transformers' default).
+    under `resize_token_embeddings_to_32x`), the new rows drawn by the model's own initialisation, or at the mean
+    of the old with `mean_resizing_embeddings` (Axolotl passes it to transformers, whose default it overrides).
     A line to print when it grew. Added tokens (in new rows or in rows the model had spare) start untrained,
     so under an adapter the embeddings must train beside it (lora_modules_to_save); a grown matrix could not
     be carried to the published base otherwise either. That fails, naming the modules."""
@@ -153,7 +154,7 @@ def fit_embeddings(model: torch.nn.Module, tokenizer_length: int, cfg: Config) -
             )
     if not grows:
         return None  # Axolotl leaves a matrix that is large enough as it is
-    model.resize_token_embeddings(wanted)
+    model.resize_token_embeddings(wanted, mean_resizing=cfg.mean_resizing_embeddings)
     return f"embeddings: {rows} rows grown to {wanted} for the tokenizer's {tokenizer_length} tokens"
 
 
