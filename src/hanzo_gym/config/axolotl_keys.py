@@ -31,7 +31,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "pretraining_dataset": ("streaming pretraining data", "use a `completion` dataset"),
     "test_datasets": ("separate evaluation datasets", "use `val_set_size`"),
     "fp16": ("float16 mixed precision", "use `bf16` (or `bf16: false` for fp32)"),
-    "hub_model_id": ("pushing the result to the Hugging Face Hub", "upload the run directory's adapter"),
     "auto_resume_from_checkpoints": (
         "resuming from the latest checkpoint",
         "use `resume_from_checkpoint: true`",
@@ -113,7 +112,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("jagged_restart_warmup_steps", "ReLoRA's jagged lr restarts"),
             ("jagged_restart_anneal_steps", "ReLoRA's jagged lr restarts"),
             ("push_dataset_to_hub", "uploading the prepared dataset"),
-            ("hf_use_auth_token", "a hub token for private data"),
             ("lora_fan_in_fan_out", "LoRA on Conv1D-style (fan-in × fan-out) weights"),
             ("llmcompressor", "LLM Compressor's sparsity recipe"),
             ("lisa_n_layers", "LISA (training a few sampled layers)"),

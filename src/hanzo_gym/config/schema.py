@@ -28,6 +28,7 @@ from hanzo_gym.config.dataset_keys import DatasetConfig, DatasetKeys
 from hanzo_gym.config.eval_keys import EvalKeys
 from hanzo_gym.config.feature import StrictKeys, check_features
 from hanzo_gym.config.grpo_keys import GrpoKeys
+from hanzo_gym.config.hub_keys import HubKeys
 from hanzo_gym.config.kernel_keys import KernelKeys
 from hanzo_gym.config.memory_keys import MemoryKeys
 from hanzo_gym.config.model_quantization_keys import ModelQuantizationKeys
@@ -68,6 +69,7 @@ class Config(
     TokenizerKeys,
     GrpoKeys,
     TrackingKeys,
+    HubKeys,
 ):
     base_model: str
     revision_of_model: str | None = None  # a branch, tag or commit of a hub base_model
