@@ -15,3 +15,11 @@ class DataError(GymError):
 
 class ModelError(GymError):
     """The base model cannot be located or loaded; the message says why and what to do."""
+
+
+class HubPushError(GymError):
+    """A push to the Hugging Face Hub failed after the run's files were saved: the message says why and gives the
+    `gym push` command that retries it; the CLI exits with `exit_code`, not 2, so that a script can tell a run that
+    trained but did not reach the Hub from one that failed."""
+
+    exit_code = 3

@@ -7,7 +7,7 @@ import sys
 import warnings
 
 from hanzo_gym import __version__
-from hanzo_gym.errors import GymError
+from hanzo_gym.errors import GymError, HubPushError
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -42,6 +42,13 @@ def _merge(args: argparse.Namespace) -> None:
 
     destination = merge_run(load_config(args.config), args.out, args.checkpoint)
     print(f"wrote merged model to {destination}")
+
+
+def _push(args: argparse.Namespace) -> None:
+    from hanzo_gym.loops.hub_push import push_run_dir
+
+    url = push_run_dir(args.run_dir, args.repo_id, private=args.private or None, revision=args.revision)
+    print(f"pushed {args.run_dir} to {url}")
 
 
 def _vllm_serve(args: argparse.Namespace) -> None:
@@ -106,6 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", help="destination folder (default: <output_dir>/merged)")
     merge.add_argument("--checkpoint", help="merge checkpoint-N instead of the final adapter")
     merge.set_defaults(handler=_merge)
+
+    push = commands.add_parser(
+        "push",
+        help="push a finished run's adapter (or full model), tokenizer and model card to the Hugging Face Hub",
+    )
+    push.add_argument("run_dir", help="the run's output_dir")
+    push.add_argument("repo_id", help="the Hub repo: owner/name, or name in your own namespace")
+    push.add_argument(
+        "--private", action="store_true", help="create the repo private (an existing repo stays as it is)"
+    )
+    push.add_argument(
+        "--revision", metavar="BRANCH", help="the branch to push to (created when missing; default: main)"
+    )
+    push.set_defaults(handler=_push)
 
     synth = commands.add_parser(
         "synth", help="generate a dataset from a design YAML (samplers, LLM columns, validators)"
@@ -205,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         args.handler(args)
+    except HubPushError as exc:  # the run is saved; only the push failed
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except GymError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from hanzo_gym.config.embedding_noise_keys import EmbeddingNoiseKeys
 from hanzo_gym.config.eval_keys import EvalKeys
 from hanzo_gym.config.feature import StepsOrFraction, StrictKeys, check_features
 from hanzo_gym.config.grpo_keys import GrpoKeys
+from hanzo_gym.config.hub_keys import HubKeys
 from hanzo_gym.config.inert_keys import InertKeys
 from hanzo_gym.config.kernel_keys import KernelKeys
 from hanzo_gym.config.memory_keys import MemoryKeys
@@ -79,6 +80,7 @@ class Config(
     EmbeddingNoiseKeys,
     GrpoKeys,
     TrackingKeys,
+    HubKeys,
 ):
     base_model: str
     revision_of_model: str | None = None  # a branch, tag or commit of a hub base_model

@@ -32,6 +32,7 @@ from hanzo_gym.engine.state_files import save_engine_state
 from hanzo_gym.errors import GymError, ModelError
 from hanzo_gym.files import publish_directory
 from hanzo_gym.loops.grpo import GrpoResult, train_grpo
+from hanzo_gym.loops.hub_push import start_hub_push
 from hanzo_gym.loops.preference import PreferenceResult, train_preference
 from hanzo_gym.loops.run_dir import RunDir
 from hanzo_gym.loops.sft import SftResult, train_sft
@@ -305,6 +306,7 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     loop = {"grpo": train_grpo, **dict.fromkeys(PREFERENCE_METHODS, train_preference)}.get(cfg.rl, train_sft)
     try:
         run.trackers = open_trackers(cfg, engine.model)  # W&B / TensorBoard / MLflow, main process only
+        hub = start_hub_push(cfg, run.path, tokenizer, run.trackers)  # hub_model_id: a push at each save too
         result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_from)
         check_finite_adapter(engine, result.steps, cfg)
         if adapter_dir is not None:
@@ -324,4 +326,6 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
             )
         raise
     say(f"wrote {'model' if cfg.full_fine_tuning else 'adapter'} to {adapter_dir or run.path}")
+    if hub is not None:  # after everything is on disk: a failed push (HubPushError) loses nothing
+        hub.push_end(Path(adapter_dir) if adapter_dir is not None else run.path)
     return result
