@@ -264,7 +264,9 @@ def test_an_older_config_trains_and_says_how_it_read_its_keys(tmp_path, tiny_bas
     )
     assert main(["train", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "type: sharegpt is type: chat_template" in out and "is_mistral_derived_model: changes nothing" in out
+    assert (
+        "type: sharegpt is type: chat_template" in out and "is_mistral_derived_model: changes nothing" in out
+    )
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "loss" in row] == [2, 4]  # logging_steps 0.5 of 4 steps
     assert not list((tmp_path / "run").glob("checkpoint-*"))
@@ -323,3 +325,40 @@ def test_sharding_keys_are_refused_over_several_processes():
     assert cfg.sharding_keys == ["deepspeed", "fsdp_config"] and sharding_refusal(cfg, 1) is None
     assert sharding_refusal(cfg, 2).startswith("deepspeed, fsdp_config: sharding the model over 2 processes")
     assert sharding_refusal(parse_minimal(), 4) is None
+
+
+# -- test_datasets, fractional epochs ------------------------------------------------------------------------
+
+
+def test_test_datasets_are_the_held_out_set_and_never_train(tmp_path, qwen3_tokenizer):
+    train_rows = [{"instruction": f"Say {a}.", "output": f"{a}!"} for a in range(6)]
+    eval_rows = [{"instruction": f"Repeat {a}.", "output": f"{a} {a}."} for a in range(3)] + [train_rows[0]]
+    train = _write(tmp_path / "train.jsonl", train_rows)
+    held = _write(tmp_path / "eval.jsonl", eval_rows)
+    cfg = parse_minimal(
+        datasets=[{"path": train, "type": "alpaca"}],
+        test_datasets=[{"path": held, "type": "alpaca", "split": "train"}],
+        dataset_exact_deduplication=True,
+    )
+    loaded = load_examples(cfg, qwen3_tokenizer)
+    alone = load_examples(parse_minimal(datasets=[{"path": held, "type": "alpaca"}]), qwen3_tokenizer)
+    assert len(loaded.train) == 6 and len(loaded.val) == 3  # the row equal to a training one is left out
+    assert {tuple(e.input_ids) for e in loaded.val} < {tuple(e.input_ids) for e in alone.train}
+    assert not {tuple(e.input_ids) for e in loaded.val} & {tuple(e.input_ids) for e in loaded.train}
+    assert cfg.holds_out and parse_minimal(
+        test_datasets=[{"path": held, "type": "alpaca"}], early_stopping_patience=2
+    )
+    assert "give one (Axolotl's rule)" in refusal_of(
+        test_datasets=[{"path": held, "type": "alpaca"}], val_set_size=0.1
+    )
+
+
+def test_a_fractional_epoch_count_plans_hfs_steps():
+    from hanzo_gym.loops.tail import planned_steps
+
+    for epochs, per_epoch in [(1.5, 10), (0.25, 7), (2, 9), (2.0, 9)]:
+        steps, runs = planned_steps(parse_minimal(num_epochs=epochs), per_epoch)
+        assert (steps, runs) == (math.ceil(epochs * per_epoch), math.ceil(epochs))
+    assert parse_minimal(num_epochs=3).num_epochs == 3 and isinstance(
+        parse_minimal(num_epochs=3).num_epochs, int
+    )

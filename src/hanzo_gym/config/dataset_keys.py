@@ -346,6 +346,8 @@ class DatasetConfig(StrictKeys):
 class DatasetKeys(Feature):
     datasets: list[DatasetConfig] = Field(min_length=1)
     val_set_size: float = Field(0.0, ge=0)
+    # Axolotl's evaluation datasets, read as `datasets` are: the held-out set instead of val_set_size's share
+    test_datasets: list[DatasetConfig] | None = None
     dataset_prepared_path: str | None = None  # a folder keeping the tokenized datasets (data/prepared.py)
     # Axolotl's: tokenize as training reads the data, no prepared copy kept; the same examples
     skip_prepare_dataset: bool = False
@@ -353,7 +355,23 @@ class DatasetKeys(Feature):
     # training row go too
     dataset_exact_deduplication: bool = False
 
+    @property
+    def holds_out(self) -> bool:
+        """Whether the run has a held-out set to evaluate: val_set_size's share or test_datasets."""
+        return self.val_set_size > 0 or bool(self.test_datasets)
+
     def check(self) -> None:
+        if self.test_datasets and self.val_set_size:
+            raise ValueError(
+                f"test_datasets are the held-out set, and val_set_size {self.val_set_size} holds out another; "
+                "give one (Axolotl's rule)"
+            )
+        for index, ds in enumerate(self.test_datasets or []):
+            if is_user_transform(ds.type):
+                raise ValueError(
+                    f"test_datasets[{index}].type `{ds.type}`: a transform of your own is read for `datasets` "
+                    "only; give the evaluation rows in a format a dataset type reads"
+                )
         if self.skip_prepare_dataset and self.dataset_prepared_path:
             raise ValueError(
                 "skip_prepare_dataset: true keeps no prepared copy of the datasets, and dataset_prepared_path names "
@@ -364,7 +382,8 @@ class DatasetKeys(Feature):
 
     def _one_chat_template(self) -> None:
         """A dataset's own chat template is the run's: one run renders every conversation with one template."""
-        own = {ds.chat_template for ds in self.datasets if ds.chat_template is not None}
+        every = (*self.datasets, *(self.test_datasets or []))
+        own = {ds.chat_template for ds in every if ds.chat_template is not None}
         if len(own) > 1:
             raise ValueError(
                 f"datasets give chat templates {', '.join(sorted(own))}; a run renders with one: set the "
@@ -378,7 +397,7 @@ class DatasetKeys(Feature):
             self.chat_template = own.pop()
 
     def notes(self) -> list[str]:
-        return [line for ds in self.datasets for line in ds.notes]
+        return [line for ds in (*self.datasets, *(self.test_datasets or [])) for line in ds.notes]
 
     def _check_type_mappings(self) -> None:
         """A `type:` mapping holds the keys of this run's kind of data only."""

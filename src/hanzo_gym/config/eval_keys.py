@@ -59,9 +59,11 @@ class EvalKeys(Feature):
                     f"{used[0]} works on an eval loss and held-out completions of SFT or preference data; rl: grpo "
                     "evaluates rewards of greedy completions (eval/reward) already: remove it"
                 )
-        if (self.early_stopping_patience or self.load_best_model_at_end) and self.val_set_size == 0:
+        if (self.early_stopping_patience or self.load_best_model_at_end) and not self.holds_out:
             key = "early_stopping_patience" if self.early_stopping_patience else "load_best_model_at_end"
-            raise ValueError(f"{key} compares eval losses: it needs a held-out set (val_set_size > 0)")
+            raise ValueError(
+                f"{key} compares eval losses: it needs a held-out set (val_set_size > 0 or test_datasets)"
+            )
         evals = self.eval_steps is not None or self.evals_per_epoch is not None
         saves = self.save_steps is not None or self.saves_per_epoch is not None
         if self.load_best_model_at_end and not (evals and saves):
@@ -74,9 +76,11 @@ class EvalKeys(Feature):
                 "rl: kto needs eval_batch_size ≥ 2: its KL term pairs each prompt with another example's completion "
                 "of the same micro-batch"
             )
-        if self.generates_at_eval and self.val_set_size == 0:
+        if self.generates_at_eval and not self.holds_out:
             key = "do_causal_lm_eval" if self.do_causal_lm_eval else "eval_table_size"
-            raise ValueError(f"{key} completes held-out prompts: it needs a held-out set (val_set_size > 0)")
+            raise ValueError(
+                f"{key} completes held-out prompts: it needs a held-out set (val_set_size > 0 or test_datasets)"
+            )
         if self.generates_at_eval and self.rl is not None:
             raise ValueError(
                 f"do_causal_lm_eval / eval_table_size complete the prompts of SFT examples; rl: {self.rl} (pairs) "

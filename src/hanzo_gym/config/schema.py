@@ -95,7 +95,8 @@ class Config(
 
     micro_batch_size: int = Field(1, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
-    num_epochs: int = Field(1, ge=1)
+    # a fraction ends the last epoch part-way, as in HF's Trainer (Axolotl's num_epochs is a float)
+    num_epochs: int | float = Field(1, gt=0)
     max_steps: int | None = Field(None, ge=1)
     optimizer: Literal[
         "adamw_torch",

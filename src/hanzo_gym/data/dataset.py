@@ -53,7 +53,7 @@ class LoadedData:
 
 
 def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData:
-    needs_template = any(ds.type == "chat_template" for ds in cfg.datasets)
+    needs_template = any(ds.type == "chat_template" for ds in (*cfg.datasets, *(cfg.test_datasets or [])))
     ctx = StrategyContext(
         tokenizer=tokenizer,
         train_on_inputs=cfg.train_on_inputs,
@@ -61,18 +61,25 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
         if needs_template
         else None,
     )
-    examples: list[Example] = []
     stats: list[DatasetStats] = []
-    for index, ds in enumerate(cfg.datasets):
-        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
-        strategy = load_user_strategy(cfg, index, tokenizer) if is_user_transform(ds.type) else None
-        kept, ds_stats = examples_from_rows(
-            rows, ds, ctx, cfg.sequence_len, cfg.excess_length_strategy, to_example=strategy
-        )
-        examples.extend(kept)
-        stats.append(ds_stats)
+
+    def examples_of(datasets: list[DatasetConfig]) -> list[Example]:
+        examples: list[Example] = []
+        for index, ds in enumerate(datasets):
+            rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
+            # a transform of the user's names its entry of `datasets` (test_datasets hold none)
+            strategy = load_user_strategy(cfg, index, tokenizer) if is_user_transform(ds.type) else None
+            kept, ds_stats = examples_from_rows(
+                rows, ds, ctx, cfg.sequence_len, cfg.excess_length_strategy, to_example=strategy
+            )
+            examples.extend(kept)
+            stats.append(ds_stats)
+        return examples
+
+    examples = examples_of(cfg.datasets)
+    held_out = examples_of(cfg.test_datasets) if cfg.test_datasets else None
     stats.append(total_stats(stats))
-    train, val, duplicates = dedupe_shuffle_split(examples, cfg)
+    train, val, duplicates = dedupe_shuffle_split(examples, cfg, held_out)
     return LoadedData(train, val, stats, duplicates)
 
 
@@ -112,17 +119,28 @@ def examples_from_rows(
     return kept, stats
 
 
-def dedupe_shuffle_split(items: list[Item], cfg: Config) -> tuple[list[Item], list[Item], int]:
+def dedupe_shuffle_split(
+    items: list[Item], cfg: Config, held_out: list[Item] | None = None
+) -> tuple[list[Item], list[Item], int]:
     """Training's and validation's items (SFT examples, RL prompts or preference pairs), and how many exact
     duplicates were left out. Duplicates go first (`dataset_exact_deduplication`), so neither split repeats an
     item; then the shuffle with `seed` (unless `shuffles_at_load` is off); validation is the last
-    `val_set_size` items."""
+    `val_set_size` items, or `held_out` (the items of test_datasets), shuffled the same way, as Axolotl does."""
     duplicates = 0
     if cfg.dataset_exact_deduplication:
         items, duplicates = without_duplicates(items)
+        if held_out is not None:  # nor an evaluation row equal to a training one
+            kept, _ = without_duplicates([*items, *held_out])
+            duplicates += len(items) + len(held_out) - len(kept)
+            held_out = kept[len(items) :]
     items = list(items)  # the caller's list keeps its order
     if cfg.shuffles_at_load:
         random.Random(cfg.seed).shuffle(items)
+    if held_out is not None:
+        held_out = list(held_out)
+        if cfg.shuffles_at_load:
+            random.Random(cfg.seed).shuffle(held_out)
+        return items, held_out, duplicates
     train_count = len(items) - validation_count(cfg.val_set_size, len(items))
     return items[:train_count], items[train_count:], duplicates
 

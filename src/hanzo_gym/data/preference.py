@@ -349,15 +349,22 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
     """Every dataset's pairs (KTO: examples), shuffled with the run's seed and split into train and validation."""
     ctx = StrategyContext(tokenizer=tokenizer, chat_template=cfg.chat_template, eot_tokens=cfg.eot_tokens)
     strategy = cfg.excess_length_strategy
-    pairs: list[PreferencePair] = []
     stats: list[DatasetStats] = []
-    for index, ds in enumerate(cfg.datasets):
-        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
-        rows, ds = as_passthrough(cfg, index, rows, tokenizer)
-        kept, ds_stats = items_from_rows(rows, ds, ctx, cfg.sequence_len, strategy, kto=cfg.rl == "kto")
-        pairs.extend(kept)
-        stats.append(ds_stats)
-    train, val, duplicates = dedupe_shuffle_split(pairs, cfg)
+
+    def pairs_of(datasets: list[DatasetConfig], held_out: bool) -> list[PreferencePair]:
+        pairs: list[PreferencePair] = []
+        for index, ds in enumerate(datasets):
+            rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
+            if not held_out:  # a transform of the user's names its entry of `datasets`
+                rows, ds = as_passthrough(cfg, index, rows, tokenizer)
+            kept, ds_stats = items_from_rows(rows, ds, ctx, cfg.sequence_len, strategy, kto=cfg.rl == "kto")
+            pairs.extend(kept)
+            stats.append(ds_stats)
+        return pairs
+
+    pairs = pairs_of(cfg.datasets, held_out=False)
+    held_out = pairs_of(cfg.test_datasets, held_out=True) if cfg.test_datasets else None
+    train, val, duplicates = dedupe_shuffle_split(pairs, cfg, held_out)
     return LoadedPreferences(train, val, [*stats, total_stats(stats)], duplicates)
 
 

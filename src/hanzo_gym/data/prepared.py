@@ -53,6 +53,7 @@ DATA_KEYS = (
     "special_tokens",
     "rl",
     "val_set_size",
+    "test_datasets",
     "seed",
     "dataset_exact_deduplication",
 )

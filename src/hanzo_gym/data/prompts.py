@@ -117,19 +117,27 @@ def _other_columns(row: Row, prompt_fields: tuple[str, ...]) -> dict:
 
 
 def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPrompts:
-    needs_template = any(ds.type != "completion" and not _text_format(ds) for ds in cfg.datasets)
+    every = (*cfg.datasets, *(cfg.test_datasets or []))
+    needs_template = any(ds.type != "completion" and not _text_format(ds) for ds in every)
     renderer = resolve_renderer(cfg.chat_template, tokenizer) if needs_template else None
-    prompts: list[Prompt] = []
     dropped = 0
-    for index, ds in enumerate(cfg.datasets):
-        rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
-        if is_user_transform(ds.type):
-            rows = list(map(load_user_transform(cfg, index, tokenizer), rows))
-        for row in rows:
-            prompt = prompt_from_row(row, ds, tokenizer, renderer)
-            if len(prompt.tokens) > cfg.sequence_len:
-                dropped += 1  # a cut prompt would ask a different question: drop it
-                continue
-            prompts.append(prompt)
-    train, val, duplicates = dedupe_shuffle_split(prompts, cfg)
+
+    def prompts_of(datasets: list[DatasetConfig]) -> list[Prompt]:
+        nonlocal dropped
+        prompts: list[Prompt] = []
+        for index, ds in enumerate(datasets):
+            rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
+            if is_user_transform(ds.type):  # of `datasets` only (test_datasets hold none)
+                rows = list(map(load_user_transform(cfg, index, tokenizer), rows))
+            for row in rows:
+                prompt = prompt_from_row(row, ds, tokenizer, renderer)
+                if len(prompt.tokens) > cfg.sequence_len:
+                    dropped += 1  # a cut prompt would ask a different question: drop it
+                    continue
+                prompts.append(prompt)
+        return prompts
+
+    prompts = prompts_of(cfg.datasets)
+    held_out = prompts_of(cfg.test_datasets) if cfg.test_datasets else None
+    train, val, duplicates = dedupe_shuffle_split(prompts, cfg, held_out)
     return LoadedPrompts(train, val, dropped, duplicates)

@@ -86,7 +86,8 @@ def planned_steps(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
     num_epochs would take or more, and loops over the data (each epoch in its own order) as often as that needs;
     the schedule spans max_steps."""
     if cfg.max_steps is None:
-        return cfg.num_epochs * steps_per_epoch, cfg.num_epochs
+        # HF: ceil(num_train_epochs × steps per epoch) steps, over ceil(num_train_epochs) epochs
+        return math.ceil(cfg.num_epochs * steps_per_epoch), math.ceil(cfg.num_epochs)
     return cfg.max_steps, -(-cfg.max_steps // max(steps_per_epoch, 1))
 
 
