@@ -164,7 +164,8 @@ LOADING = [name for name in NAMES if not EXPECTED[name]]
             # the GRPO quick-start samples from its vLLM server: the test below trains it on the built-in sampler;
             # Mistral 4's unfrozen `embed_tokens` matches no parameter of the model (its embeddings are
             # model.language_model.embed_tokens, which another entry trains), which `gym train` refuses at load
-            if name not in (*TRAINED_IN_THE_FAST_SUITE, "docs--grpo-quickstart.yaml", "mistral4--fft-text.yml")
+            if name
+            not in (*TRAINED_IN_THE_FAST_SUITE, "docs--grpo-quickstart.yaml", "mistral4--fft-text.yml")
         ),
     ],
 )

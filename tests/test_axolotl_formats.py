@@ -388,3 +388,37 @@ def test_gym_train_trains_an_alpaca_phi_and_a_mapping_dataset(tmp_path, tiny_bas
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "loss" in r] == [1, 2]
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("tokenizer_name", ["qwen3_tokenizer", "llama32_tokenizer"])
+@pytest.mark.parametrize("train_on_inputs", [False, True])
+def test_axolotls_own_strategies_named_by_module_tokenize_as_axolotl(
+    request, tokenizer_name, train_on_inputs
+):
+    """`type: alpaca_chat.load_qa` and `alpaca_w_system.load_open_orca`, which users' configs name: Axolotl's
+    prompt strategies, run here without Axolotl, token for token and label for label."""
+    from axolotl.prompt_strategies import alpaca_chat, alpaca_w_system
+
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    cases = {
+        "alpaca_chat.load_qa": (
+            alpaca_chat.load_qa,
+            [
+                {"question": "What is 2 + 3?", "answer": "5."},
+                {"question": "Say hi.", "answer": "Hi!", "input": "x"},
+            ],
+        ),
+        "alpaca_w_system.load_open_orca": (
+            alpaca_w_system.load_open_orca,
+            [
+                {"system_prompt": "You are terse.", "question": "Add 2 and 3.", "response": "5"},
+                {"system_prompt": "", "question": "Say hi.", "response": "Hi there!"},
+            ],
+        ),
+    }
+    for dataset_type, (load, rows) in cases.items():
+        strategy = load(tokenizer, axolotl_cfg(train_on_inputs))
+        for data in rows:
+            assert ours(data, dataset_type, tokenizer, train_on_inputs) == theirs(strategy, data), (
+                dataset_type
+            )

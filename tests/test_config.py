@@ -309,7 +309,10 @@ def test_did_you_mean_only_for_close_misspellings(tmp_path):
     # a shortening of one key (Axolotl's GPTQ example writes it) is that key
     assert "did you mean `adam_epsilon`?" in _error(tmp_path, BASE + "adam_eps: 1.0e-6\n")
     message = _error(tmp_path, BASE + "adam_gamma: 0.5\n")  # not a key anywhere, and far from every key
-    assert "unknown key `adam_gamma`; it is not a key hanzo-gym reads" in message and "did you mean" not in message
+    assert (
+        "unknown key `adam_gamma`; it is not a key hanzo-gym reads" in message
+        and "did you mean" not in message
+    )
     message = _error(tmp_path, BASE.replace("type: chat_template", "type: chat_template\n    weight: 2"))
     assert "unknown key `datasets[0].weight`; valid keys here: chat_template, conversation," in message
     assert "did you mean" not in _error(tmp_path, BASE + "lora_ta: 2\n")  # the start of three keys
@@ -326,7 +329,9 @@ def test_every_refusal_of_a_file_is_listed_together_in_line_order(tmp_path):
     )
     lines = _error(tmp_path, text).splitlines()
     assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in lines] == ["8", "9", "10", "11", "12", "13"]
-    assert "`xformers_attention`" in lines[0] and "`lora_alpah`" in lines[1] and "`micro_batch_size`" in lines[2]
+    assert (
+        "`xformers_attention`" in lines[0] and "`lora_alpah`" in lines[1] and "`micro_batch_size`" in lines[2]
+    )
     assert "`fp16`" in lines[3] and "`relora`" in lines[4] and "optimizer: sgd" in lines[5]
 
 

@@ -327,7 +327,9 @@ def test_perplexity_is_exp_of_the_models_own_loss_on_each_reference(tmp_path, ti
     )
 
 
-def test_sft_eval_loss_skips_the_prompts_logits_and_equals_transformers_masked_loss(tiny_base, qwen3_tokenizer):
+def test_sft_eval_loss_skips_the_prompts_logits_and_equals_transformers_masked_loss(
+    tiny_base, qwen3_tokenizer
+):
     """SFT scores from each example's first trained position (engine `scored_from`), computing no logits over
     the prompt; its mean NLL is still transformers' loss with the prompt's labels at -100."""
     from hanzo_gym.engine import Engine
@@ -338,7 +340,11 @@ def test_sft_eval_loss_skips_the_prompts_logits_and_equals_transformers_masked_l
         attach_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear", base_model_name="tiny"),
         tokenizer=qwen3_tokenizer,
     )
-    texts = [("What is seven plus two?", " Nine."), ("Name a colour.", " Blue, or perhaps green."), ("Hi", " Hello")]
+    texts = [
+        ("What is seven plus two?", " Nine."),
+        ("Name a colour.", " Blue, or perhaps green."),
+        ("Hi", " Hello"),
+    ]
     examples = []
     for prompt, answer in texts:
         p, a = qwen3_tokenizer.encode(prompt), qwen3_tokenizer.encode(answer)
@@ -349,6 +355,8 @@ def test_sft_eval_loss_skips_the_prompts_logits_and_equals_transformers_masked_l
     base = engine.model.get_base_model().eval()
     for example in examples:
         with torch.no_grad(), engine.model.disable_adapter():
-            loss = base(input_ids=torch.tensor([example.input_ids]), labels=torch.tensor([example.labels])).loss
+            loss = base(
+                input_ids=torch.tensor([example.input_ids]), labels=torch.tensor([example.labels])
+            ).loss
         total, count = total + loss.item() * example.trained_tokens, count + example.trained_tokens
     assert sft.evaluate(engine, examples, micro_batch_size=2) == pytest.approx(total / count, rel=1e-5)

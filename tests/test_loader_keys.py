@@ -56,7 +56,9 @@ def test_flex_attn_compile_kwargs_reach_the_compile_transformers_runs(monkeypatc
     from torch.nn.attention.flex_attention import flex_attention
     from transformers.integrations import flex_attention as integration
 
-    monkeypatch.setattr(integration, "WrappedFlexAttention", integration.WrappedFlexAttention)  # restored after
+    monkeypatch.setattr(
+        integration, "WrappedFlexAttention", integration.WrappedFlexAttention
+    )  # restored after
     calls = []
 
     def recording_compile(function, **arguments):
@@ -75,7 +77,9 @@ def test_the_multimodal_class_of_a_text_config_names_its_text_model():
 
     loader_keys.check_loader_class("model_type", "Llama4ForConditionalGeneration", tiny_model("llama4"), "m")
     with pytest.raises(ModelError, match="loads as Llama4ForCausalLM"):
-        loader_keys.check_loader_class("model_type", "Gemma3ForConditionalGeneration", tiny_model("llama4"), "m")
+        loader_keys.check_loader_class(
+            "model_type", "Gemma3ForConditionalGeneration", tiny_model("llama4"), "m"
+        )
 
 
 def test_tf32_sets_cudas_switches_and_says_when_it_cannot(monkeypatch):
@@ -188,7 +192,9 @@ def test_both_kinds_of_checkpointing_give_the_gradients_of_none(
     }.items():
         config = write_tiny_run(tmp_path, tiny_base, chat_data, name=kind, lora_dropout=0.0, **keys)
         cfg = load_config(config)
-        engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
+        engine = build_engine(
+            cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer
+        )
         engine.forward_backward([datum])
         grads[kind] = [p.grad.clone() for p in engine.trainable]
         # lora_B starts at zero, so B matrices take the gradient; a reentrant pass that lost it gives None

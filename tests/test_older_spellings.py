@@ -362,3 +362,87 @@ def test_a_fractional_epoch_count_plans_hfs_steps():
     assert parse_minimal(num_epochs=3).num_epochs == 3 and isinstance(
         parse_minimal(num_epochs=3).num_epochs, int
     )
+
+
+# -- HF Trainer's other keys ------------------------------------------------------------------------------------
+
+
+def test_report_to_turns_on_the_trackers_it_names():
+    cfg = parse_minimal(report_to=["tensorboard"], logging_dir="tb")
+    assert cfg.use_tensorboard and not cfg.use_wandb and cfg.logging_dir == "tb"
+    assert parse_minimal(report_to="none").trackers == []
+    assert "report_to: all reports to every integration" in refusal_of(report_to="all")
+    assert "logging_dir is HF's TensorBoard folder, and nothing logs to TensorBoard" in refusal_of(
+        logging_dir="x"
+    )
+
+
+def test_the_tensorboard_folder_is_logging_dir(tmp_path):
+    from hanzo_gym.loops.trackers import tensorboard_dir
+
+    cfg = parse_minimal(report_to="tensorboard", logging_dir=str(tmp_path / "tb"))
+    assert tensorboard_dir(cfg) == tmp_path / "tb"
+    assert tensorboard_dir(parse_minimal(use_tensorboard=True)).parent == __import__("pathlib").Path(
+        "out/runs"
+    )
+
+
+def test_hf_keys_of_resuming_seeding_and_the_best_checkpoint():
+    assert parse_minimal(auto_resume_from_checkpoints=True).resume_from_checkpoint is True
+    assert (
+        parse_minimal(auto_resume_from_checkpoints=True, resume_from_checkpoint=False).resume_from_checkpoint
+        is False
+    )
+    cfg = parse_minimal(data_seed=7, seed=3)
+    assert (cfg.sampler_seed, parse_minimal(seed=3).sampler_seed) == (7, 3)
+    parse_minimal(metric_for_best_model="eval_loss", greater_is_better=False)
+    assert "`metric_for_best_model` is 'accuracy'" in refusal_of(metric_for_best_model="accuracy")
+    assert parse_minimal().ddp_timeout == TrainingArguments(output_dir="x", report_to=[]).ddp_timeout
+
+
+def test_data_seed_orders_the_epochs():
+    from hanzo_gym.data.example import Example
+    from hanzo_gym.loops.sft import _windows
+
+    train = [Example([1] * (2 + n % 5), [1] * (2 + n % 5)) for n in range(40)]
+    by_data_seed = _windows(parse_minimal(seed=3, data_seed=7), train, 1)
+    assert by_data_seed == _windows(parse_minimal(seed=7), train, 1)
+    assert by_data_seed != _windows(parse_minimal(seed=3), train, 1)
+
+
+def test_a_key_written_twice_with_one_setting_loads(tmp_path):
+    from config_files import load_text
+
+    base = "base_model: x\noutput_dir: o\nadapter: lora\nlora_target_linear: true\ndatasets:\n  - path: d.jsonl\n    type: alpaca\n"
+    assert (
+        load_text(tmp_path, base + "lora_fan_in_fan_out: false\nlora_fan_in_fan_out:\n").lora_fan_in_fan_out
+        is None
+    )
+    assert load_text(tmp_path, base + "lora_r: 8\nlora_r: 8\n").lora_r == 8
+    assert (
+        load_text(tmp_path, base + 'wandb_project: ""\nearly_stopping_patience: ""\n').wandb_project is None
+    )
+
+
+def test_grown_embeddings_start_as_axolotl_says(tiny_base):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hanzo_gym.model.loader_keys import fit_embeddings
+
+    means = {}
+    for mean in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_base)
+        rows = model.get_input_embeddings().num_embeddings
+        torch.manual_seed(0)
+        fit_embeddings(
+            model,
+            rows + 32,
+            parse_minimal(adapter=None, lora_target_linear=None, mean_resizing_embeddings=mean),
+        )
+        weight = model.get_input_embeddings().weight
+        means[mean] = (weight[rows:], weight[:rows].mean(0))
+    new, old_mean = means[True]
+    assert torch.allclose(new, old_mean.expand_as(new), atol=0.05)  # mean resizing: around the old rows' mean
+    new, old_mean = means[False]
+    assert not torch.allclose(new, old_mean.expand_as(new), atol=0.05)  # the model's own initialisation

@@ -435,7 +435,9 @@ def test_gym_serve_tinker_model_flags_are_checked_before_loading(tmp_path):
     with pytest.raises(GymError, match="--tinker-sampler picks .* give --tinker as well"):
         run_serve(str(tmp_path / "never-loaded"), tinker_sampler="vllm")
     if importlib.util.find_spec("vllm") is None:  # the main environment: the install command, before loading
-        with pytest.raises(GymError, match=r"--tinker-sampler vllm needs vLLM, which is not installed here: "):
+        with pytest.raises(
+            GymError, match=r"--tinker-sampler vllm needs vLLM, which is not installed here: "
+        ):
             run_serve(str(tmp_path / "never-loaded"), tinker=True, tinker_sampler="vllm")
 
 

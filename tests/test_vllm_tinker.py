@@ -54,4 +54,3 @@ def test_tinker_sampling_clients_sample_through_vllm(model_cache, tmp_path):
                 types.ModelInput.from_ints(_prompts(tokenizer)[0] + sequence.tokens)
             ).result()[-len(sequence.tokens) :]
             assert max(abs(a - b) for a, b in zip(scored, sequence.logprobs, strict=True)) < 1e-3
-

@@ -16,10 +16,15 @@ from hanzo_gym.config.feature import Feature, StrictKeys
 from hanzo_gym.config.preference_keys import PAIR_METHODS
 from hanzo_gym.config.tokenizer_keys import known_chat_template
 from hanzo_gym.errors import DataError
-from hanzo_gym.renderers.instruction_formats import ALPACA_STYLES, InstructionFormat
+from hanzo_gym.renderers.instruction_formats import ALPACA_STYLES, AXOLOTL_STRATEGIES, InstructionFormat
 
 # older Axolotl's FastChat conversation templates → the chat template that renders them the same
-FASTCHAT_TEMPLATES = {"chatml": "chatml", "llama3": "llama3", "llama-3": "llama3"}
+FASTCHAT_TEMPLATES = {
+    "chatml": "chatml",
+    "llama3": "llama3",
+    "llama-3": "llama3",
+    "alpaca": "fastchat_alpaca",
+}
 # the extensions data/sources.py reads
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
 
@@ -326,6 +331,8 @@ class DatasetConfig(StrictKeys):
         """The instruction prompt of `alpaca`, `alpaca:<style>` or a `type:` mapping; None for other types."""
         if isinstance(self.type, DatasetTypeMapping):
             return self.type.instruction_format
+        if self.type in AXOLOTL_STRATEGIES:
+            return AXOLOTL_STRATEGIES[self.type][0]
         if self.type == "alpaca" or self.type.startswith("alpaca:"):
             return ALPACA_STYLES[self.type.partition(":")[2] or "instruct"]
         return None
@@ -333,6 +340,8 @@ class DatasetConfig(StrictKeys):
     @property
     def instruction_fields(self) -> tuple[str, str, str]:
         """The row fields of the instruction, the input and the output."""
+        if isinstance(self.type, str) and self.type in AXOLOTL_STRATEGIES:
+            return AXOLOTL_STRATEGIES[self.type][1]
         own = self.type if isinstance(self.type, DatasetTypeMapping) else None
         if own is None:
             return self.field_instruction, self.field_input, self.field_output

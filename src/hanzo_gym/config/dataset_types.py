@@ -27,7 +27,11 @@ SFT_TYPES = ("chat_template", "alpaca", "input_output", "completion")
 # RESPONSE rows in the alpaca prompt.
 SHAREGPT_TYPES = ("sharegpt", "sharegpt:chat", "sharegpt.load_role")
 OLDER_TYPES = (*SHAREGPT_TYPES, "oasst")
-DATASET_TYPES = tuple(dict.fromkeys((*SFT_TYPES, *PAIR_TYPES, *KTO_TYPES, *OLDER_TYPES)))
+# Axolotl's own prompt strategies named by module and function (renderers/instruction_formats.py runs them)
+AXOLOTL_STRATEGY_TYPES = ("alpaca_chat.load_qa", "alpaca_w_system.load_open_orca")
+DATASET_TYPES = tuple(
+    dict.fromkeys((*SFT_TYPES, *PAIR_TYPES, *KTO_TYPES, *OLDER_TYPES, *AXOLOTL_STRATEGY_TYPES))
+)
 
 
 def is_user_transform(dataset_type: object) -> bool:

@@ -235,6 +235,10 @@ def _describe(error: dict, source: str, lines: dict) -> tuple[int, str]:
         return line, f"{where}: `{key}` = {value!r}: use a finite number"
     if not loc:
         return line, f"{where}: {message}"
+    if isinstance(
+        value, dict | list
+    ):  # a rule of a whole entry: its message names the keys; the entry is long
+        return line, f"{where}: `{key}`: {message}"
     return line, f"{where}: `{key}` = {value!r}: {message}"
 
 

@@ -69,7 +69,13 @@ class TrackingKeys(Feature):
 
     def check(self) -> None:
         asked = bool(self.wandb_project or self.use_wandb)
-        idle = [key for key in _WANDB_ONLY_WHEN_ON if getattr(self, key) not in (None, False, "false")]
+        # `wandb_mode: disabled` asks for no logging, which is what a config without wandb_project gets
+        idle = [
+            key
+            for key in _WANDB_ONLY_WHEN_ON
+            if getattr(self, key) not in (None, False, "false")
+            and (key, getattr(self, key)) != ("wandb_mode", "disabled")
+        ]
         if not asked and idle:
             raise ValueError(
                 f"{', '.join(f'`{key}`' for key in idle)} set without `wandb_project`: W&B logs only when "

@@ -2,6 +2,7 @@
 
 - unset or `tokenizer_default`: the tokenizer's own Jinja template (`JinjaRenderer`);
 - a renderer name (`qwen3`, `llama3`, `role_colon`, …) or `chatml` (the ChatML of `qwen3_instruct`);
+- a named Jinja template (`fastchat_alpaca`, older Axolotl's FastChat `alpaca` conversation);
 - `tokenizer_default_fallback_<name>`: the tokenizer's template if it has one, else the renderer `<name>`;
 - Axolotl's name of a family's template (`gemma3`, `qwen_25`, …): the tokenizer's own template, once the loop
   has checked that the model is of that family (`renderers/axolotl_templates.py`);
@@ -30,6 +31,25 @@ CHATML = (
 )
 
 ALIASES = {"chatml": "qwen3_instruct"}
+# Named Jinja templates: FastChat's `alpaca` conversation (older Axolotl's `type: sharegpt` with
+# `conversation: alpaca`): its system message then "### Instruction: …\n\n### Response: …</s>" turns, the
+# ADD_COLON_TWO style of FastChat's Conversation.get_prompt, its "</s>" the tokenizer's eos and the text after
+# the bos the tokenizer starts a prompt with (as older Axolotl tokenized it).
+JINJA_TEMPLATES = {
+    "fastchat_alpaca": (
+        "{%- set ns = namespace(system='Below is an instruction that describes a task. Write a response that "
+        "appropriately completes the request.') -%}"
+        "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.system = messages[0]['content'] -%}"
+        "{%- endif -%}"
+        "{{- (bos_token or '') + ns.system + '\n\n' -}}"
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'user' -%}{{- '### Instruction: ' + message['content'] + '\n\n' -}}"
+        "{%- elif message['role'] == 'assistant' -%}{{- '### Response: ' + message['content'] + eos_token -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '### Response:' -}}{%- endif -%}"
+    ),
+}
 TOKENIZER_DEFAULT = "tokenizer_default"
 FALLBACK_PREFIX = "tokenizer_default_fallback_"
 
@@ -97,7 +117,7 @@ def _renderer_for(setting: str | None, tokenizer: PreTrainedTokenizerBase) -> Re
 
 def template_names() -> list[str]:
     """What `chat_template` may name: the renderers, their aliases and Axolotl's template names."""
-    return sorted({*renderer_names(), *ALIASES, *axolotl_template_names()})
+    return sorted({*renderer_names(), *ALIASES, *JINJA_TEMPLATES, *axolotl_template_names()})
 
 
 def is_jinja(text: str) -> bool:
@@ -107,6 +127,8 @@ def is_jinja(text: str) -> bool:
 def _named_or_inline(name: str, tokenizer: PreTrainedTokenizerBase) -> Renderer:
     if ALIASES.get(name, name) in renderer_names():
         return get_renderer(ALIASES.get(name, name), tokenizer)
+    if name in JINJA_TEMPLATES:
+        return JinjaRenderer(tokenizer, JINJA_TEMPLATES[name])
     if is_jinja(name):
         return JinjaRenderer(tokenizer, name)
     raise ConfigError(

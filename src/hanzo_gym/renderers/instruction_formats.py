@@ -62,3 +62,38 @@ ALPACA_STYLES = {
         "<|system|>\n{system}<|end|>\n",
     ),
 }
+
+
+# Axolotl's own prompt strategies that users name by module and function (`type: alpaca_chat.load_qa`): each an
+# instruction format over fields of its own — (format, (instruction field, input field or None, output field)).
+_CHAT_SYSTEM = (
+    "Below is an instruction from a USER that describes a task, paired with an input that provides further context. "
+    "The ASSISTANT writes a response that concisely and appropriately completes the request.\n\n"
+)
+_CHAT_SYSTEM_NO_INPUT = (
+    "Below is an instruction from a USER that describes a task. The ASSISTANT writes a response that appropriately "
+    "and concisely completes the request.\n\n"
+)
+AXOLOTL_STRATEGIES: dict[str, tuple[InstructionFormat, tuple[str, str | None, str]]] = {
+    # question / answer in Axolotl's AlpacaChatPrompter
+    "alpaca_chat.load_qa": (
+        InstructionFormat(
+            ALPACA_STYLES["chat"].turn,
+            ALPACA_STYLES["chat"].turn_no_input,
+            "SYSTEM: {system}\n",
+            _CHAT_SYSTEM,
+            _CHAT_SYSTEM_NO_INPUT,
+        ),
+        ("question", None, "answer"),
+    ),
+    # OpenOrca's rows: each its own system prompt, in Axolotl's OpenOrcaSystemDataPrompter (instruct style)
+    "alpaca_w_system.load_open_orca": (
+        InstructionFormat(
+            "### Human:\n{instruction}\n### Additional Context:\n{input}\n### Assistant:\n",
+            "### Human:\n{instruction}\n### Assistant:\n",
+            "### System:\n{system}\n",
+            field_system="system_prompt",
+        ),
+        ("question", None, "response"),
+    ),
+}
