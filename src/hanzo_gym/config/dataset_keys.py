@@ -11,7 +11,12 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from hanzo_gym.config.axolotl_keys import close_misspelling
-from hanzo_gym.config.dataset_types import DATASET_TYPES, SHAREGPT_TYPES, is_user_transform
+from hanzo_gym.config.dataset_types import (
+    DATASET_TYPES,
+    SHAREGPT_TYPES,
+    is_axolotl_strategy,
+    is_user_transform,
+)
 from hanzo_gym.config.feature import Feature, StrictKeys
 from hanzo_gym.config.preference_keys import PAIR_METHODS
 from hanzo_gym.config.tokenizer_keys import known_chat_template
@@ -24,6 +29,7 @@ FASTCHAT_TEMPLATES = {
     "llama3": "llama3",
     "llama-3": "llama3",
     "alpaca": "fastchat_alpaca",
+    "vicuna_v1.1": "fastchat_vicuna",
 }
 # the extensions data/sources.py reads
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -178,6 +184,8 @@ class DatasetConfig(StrictKeys):
     train_on_split: str | None = None
 
     _notes: list[str] = PrivateAttr(default_factory=list)
+    # older Axolotl's template for a sharegpt dataset without `conversation`, where the run names none
+    _default_template: str | None = PrivateAttr(None)
     _known_chat_template = field_validator("chat_template")(known_chat_template)
 
     @model_validator(mode="before")
@@ -208,6 +216,11 @@ class DatasetConfig(StrictKeys):
             if style not in ALPACA_STYLES:
                 raise ValueError(f"`alpaca:{style}`: Axolotl's alpaca styles are {', '.join(ALPACA_STYLES)}")
             return value
+        if isinstance(value, str) and value not in DATASET_TYPES and is_axolotl_strategy(value):
+            raise ValueError(
+                f"`{value}` is one of Axolotl's own prompt strategies, which is not supported yet; give the rows' "
+                "format as a `type:` mapping (field_instruction, field_output, format, …) or use chat_template"
+            )
         if isinstance(value, str) and value not in DATASET_TYPES:
             close = close_misspelling(value, list(DATASET_TYPES))
             if close is None and is_user_transform(value):
@@ -274,6 +287,10 @@ class DatasetConfig(StrictKeys):
                     f"conversation: {self.conversation} and chat_template: {self.chat_template} disagree; give one"
                 )
             self.chat_template = template
+        elif self.chat_template is None:
+            self._default_template = FASTCHAT_TEMPLATES[
+                "vicuna_v1.1"
+            ]  # FastChat's default, as older Axolotl's
         role, content = ("role", "content") if written == "sharegpt.load_role" else ("from", "value")
         self.type = "chat_template"
         if "field_messages" not in self.model_fields_set:
@@ -357,6 +374,8 @@ class DatasetKeys(Feature):
     val_set_size: float = Field(0.0, ge=0)
     # Axolotl's evaluation datasets, read as `datasets` are: the held-out set instead of val_set_size's share
     test_datasets: list[DatasetConfig] | None = None
+
+    _run_notes: list[str] = PrivateAttr(default_factory=list)
     dataset_prepared_path: str | None = None  # a folder keeping the tokenized datasets (data/prepared.py)
     # Axolotl's: tokenize as training reads the data, no prepared copy kept; the same examples
     skip_prepare_dataset: bool = False
@@ -404,9 +423,17 @@ class DatasetKeys(Feature):
             )
         if own:
             self.chat_template = own.pop()
+        defaults = {ds._default_template for ds in every if ds._default_template}
+        if self.chat_template is None and defaults:
+            self.chat_template = defaults.pop()
+            self._run_notes.append(
+                f"chat_template: {self.chat_template}: FastChat's vicuna_v1.1 conversation, which older Axolotl's "
+                "`type: sharegpt` rendered with when no `conversation` is given; set chat_template to choose another"
+            )
 
     def notes(self) -> list[str]:
-        return [line for ds in (*self.datasets, *(self.test_datasets or [])) for line in ds.notes]
+        every = (*self.datasets, *(self.test_datasets or []))
+        return [*(line for ds in every for line in ds.notes), *self._run_notes]
 
     def _check_type_mappings(self) -> None:
         """A `type:` mapping holds the keys of this run's kind of data only."""

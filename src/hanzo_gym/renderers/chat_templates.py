@@ -31,23 +31,41 @@ CHATML = (
 )
 
 ALIASES = {"chatml": "qwen3_instruct"}
-# Named Jinja templates: FastChat's `alpaca` conversation (older Axolotl's `type: sharegpt` with
-# `conversation: alpaca`): its system message then "### Instruction: …\n\n### Response: …</s>" turns, the
-# ADD_COLON_TWO style of FastChat's Conversation.get_prompt, its "</s>" the tokenizer's eos and the text after
-# the bos the tokenizer starts a prompt with (as older Axolotl tokenized it).
-JINJA_TEMPLATES = {
-    "fastchat_alpaca": (
-        "{%- set ns = namespace(system='Below is an instruction that describes a task. Write a response that "
-        "appropriately completes the request.') -%}"
+
+
+def _fastchat_colon_two(system: str, user: str, assistant: str, sep: str) -> str:
+    """FastChat's ADD_COLON_TWO conversation as Jinja: the system message (a leading system turn replaces it),
+    then `user: text{sep}` and `assistant: text` + the tokenizer's eos (FastChat's "</s>") turns, after the bos
+    the tokenizer starts a prompt with, as older Axolotl tokenized it."""
+    return (
+        f"{{%- set ns = namespace(system={system!r}) -%}}"
         "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.system = messages[0]['content'] -%}"
         "{%- endif -%}"
-        "{{- (bos_token or '') + ns.system + '\n\n' -}}"
+        f"{{{{- (bos_token or '') + ns.system + {sep!r} -}}}}"
         "{%- for message in messages -%}"
-        "{%- if message['role'] == 'user' -%}{{- '### Instruction: ' + message['content'] + '\n\n' -}}"
-        "{%- elif message['role'] == 'assistant' -%}{{- '### Response: ' + message['content'] + eos_token -}}"
+        f"{{%- if message['role'] == 'user' -%}}{{{{- {user + ': '!r} + message['content'] + {sep!r} -}}}}"
+        f"{{%- elif message['role'] == 'assistant' -%}}{{{{- {assistant + ': '!r} + message['content'] + eos_token -}}}}"
         "{%- endif -%}"
         "{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '### Response:' -}}{%- endif -%}"
+        f"{{%- if add_generation_prompt -%}}{{{{- {assistant + ':'!r} -}}}}{{%- endif -%}}"
+    )
+
+
+# Named Jinja templates: FastChat's conversations that older Axolotl's `type: sharegpt` rendered with
+# (`conversation: alpaca`, and `vicuna_v1.1`, its default).
+JINJA_TEMPLATES = {
+    "fastchat_alpaca": _fastchat_colon_two(
+        "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+        "### Instruction",
+        "### Response",
+        "\n\n",
+    ),
+    "fastchat_vicuna": _fastchat_colon_two(
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+        "detailed, and polite answers to the user's questions.",
+        "USER",
+        "ASSISTANT",
+        " ",
     ),
 }
 TOKENIZER_DEFAULT = "tokenizer_default"

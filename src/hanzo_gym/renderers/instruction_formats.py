@@ -74,7 +74,16 @@ _CHAT_SYSTEM_NO_INPUT = (
     "Below is an instruction from a USER that describes a task. The ASSISTANT writes a response that appropriately "
     "and concisely completes the request.\n\n"
 )
+_ALPACA_FIELDS = ("instruction", "input", "output")
 AXOLOTL_STRATEGIES: dict[str, tuple[InstructionFormat, tuple[str, str | None, str]]] = {
+    "alpaca_instruct.load": (ALPACA_STYLES["instruct"], _ALPACA_FIELDS),
+    # Axolotl's UnpromptedPrompter: the alpaca turns with no system prompt
+    "alpaca_instruct.load_no_prompt": (
+        InstructionFormat(
+            ALPACA_STYLES["instruct"].turn, ALPACA_STYLES["instruct"].turn_no_input, "{system}\n\n"
+        ),
+        _ALPACA_FIELDS,
+    ),
     # question / answer in Axolotl's AlpacaChatPrompter
     "alpaca_chat.load_qa": (
         InstructionFormat(
