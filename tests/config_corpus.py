@@ -59,6 +59,9 @@ def _turns(ds: DatasetConfig, question: str, answer: str) -> list[dict[str, str]
 
 def _row(ds: DatasetConfig, rl: str | None, question: str, good: str, bad: str, index: int) -> dict[str, Any]:
     kind = ds.type
+    if kind is None:  # tokenized rows
+        ids = [10 + index, 20, 30, 40, 50 + index]
+        return {"input_ids": ids, "labels": [-100, -100, *ids[2:]], "attention_mask": [1] * len(ids)}
     if isinstance(kind, DatasetTypeMapping):
         if rl in ("dpo", "ipo", "simpo", "orpo"):
             return {

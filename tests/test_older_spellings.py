@@ -483,3 +483,27 @@ def test_sharegpt_with_fastchats_conversations_renders_fastchats_prompt(conversa
     if conversation is None:
         assert "FastChat's vicuna_v1.1 conversation" in "\n".join(feature_notes(cfg))
         assert parse_minimal(datasets=[ds], chat_template="chatml").chat_template == "chatml"
+
+
+# -- tokenized rows ---------------------------------------------------------------------------------------------
+
+
+def test_a_dataset_without_type_is_read_as_tokenized_rows(tmp_path, qwen3_tokenizer):
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8], "attention_mask": [1, 1, 1, 1]},
+        {"input_ids": [9, 10, 11, 0], "labels": [-100, 10, 11, 0], "attention_mask": [1, 1, 1, 0]},
+    ]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "tokenized.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = parse_minimal(datasets=[{"path": str(path), "ds_type": "parquet"}], shuffle_merged_datasets=False)
+    assert _examples(cfg, qwen3_tokenizer) == [
+        ([5, 6, 7, 8], [-100, -100, 7, 8]),
+        ([9, 10, 11], [-100, 10, 11]),
+    ]
+    assert "rl: dpo renders its own rows" in refusal_of(datasets=[{"path": "d.jsonl"}], rl="dpo")
+    bad = _write(tmp_path / "bad.jsonl", [{"text": "not tokenized"}])
+    with pytest.raises(Exception, match="a dataset without `type` holds tokenized rows: `input_ids` must be"):
+        load_examples(parse_minimal(datasets=[{"path": bad}]), qwen3_tokenizer)

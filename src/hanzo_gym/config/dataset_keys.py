@@ -141,13 +141,16 @@ class DatasetConfig(StrictKeys):
     path: str
     # SFT's types (`alpaca:<style>` too), a preference type (config/preference_keys.py) that an `rl: dpo`-family
     # run reads, a transform of the user's (`module.function`), or a format of the user's as a mapping
-    type: Annotated[
-        # the tags hold brackets so that error paths leave them out (_describe)
-        Annotated[str, Tag("str[type]")] | Annotated[DatasetTypeMapping, Tag("mapping[type]")],
-        Discriminator(
-            lambda value: "mapping[type]" if isinstance(value, dict | DatasetTypeMapping) else "str[type]"
-        ),
-    ]
+    type: (
+        Annotated[
+            # the tags hold brackets so that error paths leave them out (_describe)
+            Annotated[str, Tag("str[type]")] | Annotated[DatasetTypeMapping, Tag("mapping[type]")],
+            Discriminator(
+                lambda value: "mapping[type]" if isinstance(value, dict | DatasetTypeMapping) else "str[type]"
+            ),
+        ]
+        | None
+    ) = None  # none: the rows are tokenized already (`input_ids` and `labels`), as Axolotl reads them
     split: str | None = None
     data_files: list[str] | None = None  # one file may be given as a string, as Axolotl allows
     # a configuration of the dataset (its card's `configs`), as load_dataset(path, name)
@@ -348,6 +351,8 @@ class DatasetConfig(StrictKeys):
         """The instruction prompt of `alpaca`, `alpaca:<style>` or a `type:` mapping; None for other types."""
         if isinstance(self.type, DatasetTypeMapping):
             return self.type.instruction_format
+        if self.type is None:
+            return None
         if self.type in AXOLOTL_STRATEGIES:
             return AXOLOTL_STRATEGIES[self.type][0]
         if self.type == "alpaca" or self.type.startswith("alpaca:"):
@@ -405,6 +410,7 @@ class DatasetKeys(Feature):
                 "skip_prepare_dataset: true keeps no prepared copy of the datasets, and dataset_prepared_path names "
                 "a folder for one: give one of them"
             )
+        self._check_tokenized_rows()
         self._check_type_mappings()
         self._one_chat_template()
 
@@ -434,6 +440,15 @@ class DatasetKeys(Feature):
     def notes(self) -> list[str]:
         every = (*self.datasets, *(self.test_datasets or []))
         return [*(line for ds in every for line in ds.notes), *self._run_notes]
+
+    def _check_tokenized_rows(self) -> None:
+        """A dataset without `type` holds tokenized SFT examples; other kinds of runs read rows to render."""
+        for index, ds in enumerate(self.datasets):
+            if ds.type is None and self.rl is not None:
+                raise ValueError(
+                    f"datasets[{index}] has no `type`, which means its rows are tokenized SFT examples (input_ids, "
+                    f"labels); rl: {self.rl} renders its own rows: give the dataset's type"
+                )
 
     def _check_type_mappings(self) -> None:
         """A `type:` mapping holds the keys of this run's kind of data only."""

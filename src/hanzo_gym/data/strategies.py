@@ -6,6 +6,7 @@
   (renderers/instruction_formats.py), then the output; the output and eos are labelled.
 - `input_output`: the row's `segments` as they are, each labelled or not by its own `label`; nothing added.
 - `completion`: raw text plus eos; everything is labelled.
+- no `type`: rows tokenized already, their `input_ids` and `labels` taken as they are.
 
 Truncation and dropping are the caller's job (`dataset.py`): these functions return the whole sequence.
 """
@@ -69,6 +70,8 @@ def row_to_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example
         return instruction_example(row, ds, ctx)
     if ds.type == "input_output":
         return segments_example(row, ctx)
+    if ds.type is None:
+        return tokenized_example(row)
     return completion_example(row, ds, ctx)
 
 
@@ -213,6 +216,33 @@ def segments_example(row: Row, ctx: StrategyContext) -> Example:
         ids += tokens
         labels += tokens if label or ctx.train_on_inputs else [IGNORE_INDEX] * len(tokens)
     return Example(ids, labels)
+
+
+# --- tokenized rows (no `type`) ---
+
+
+def tokenized_example(row: Row) -> Example:
+    """A row tokenized already: its `input_ids` and `labels` as they are (-100: not trained), as Axolotl uses a
+    dataset that has them; positions its `attention_mask` marks 0 (padding) are left out."""
+    ids, labels = row.data.get("input_ids"), row.data.get("labels")
+    for name, value in (("input_ids", ids), ("labels", labels)):
+        if not (
+            isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            raise DataError(
+                f"{_where(row)}: a dataset without `type` holds tokenized rows: `{name}` must be a list of "
+                "integers (give the dataset a `type` to have its rows rendered)"
+            )
+    mask = row.data.get("attention_mask")
+    if not isinstance(mask, list):
+        mask = [1] * len(ids)
+    if not len(ids) == len(labels) == len(mask):
+        raise DataError(
+            f"{_where(row)}: input_ids, labels and attention_mask have {len(ids)}, {len(labels)} and {len(mask)} "
+            "entries; they must be as long"
+        )
+    kept = [index for index, keep in enumerate(mask) if keep]
+    return Example([ids[i] for i in kept], [labels[i] for i in kept])
 
 
 # --- completion ---
