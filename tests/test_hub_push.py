@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 import huggingface_hub
 import pytest
 import yaml
+from config_files import write_tiny_run
 
 from hanzo_gym.cli import main
 from hanzo_gym.config import parse_config
@@ -186,25 +187,9 @@ def hub_base(tmp_path_factory, tiny_base) -> Path:
 
 
 def _config(tmp_path, base, chat_data, **overrides) -> tuple[Path, Path]:
-    cfg = {
-        "base_model": str(base),
-        "datasets": [{"path": str(chat_data), "type": "chat_template"}],
-        "output_dir": str(tmp_path / "run"),
-        "sequence_len": 64,
-        "adapter": "lora",
-        "lora_r": 4,
-        "lora_alpha": 8,
-        "lora_target_linear": True,
-        "micro_batch_size": 8,
-        "max_steps": 4,
-        "learning_rate": 5e-3,
-        "logging_steps": 1,
-        "seed": 7,
-        **overrides,
-    }
-    cfg = {key: value for key, value in cfg.items() if value is not None}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    """A tiny LoRA run of 4 steps (a key given None is left unset) and its run directory."""
+    shape = {"micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 4}
+    path = write_tiny_run(tmp_path, base, chat_data, **{**shape, **overrides})
     return path, tmp_path / "run"
 
 

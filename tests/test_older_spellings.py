@@ -250,19 +250,10 @@ def test_datasets_own_chat_templates_must_agree():
 
 def test_an_older_config_trains_and_says_how_it_read_its_keys(tmp_path, tiny_base, capsys):
     path = _write(tmp_path / "chats.jsonl", SHAREGPT_ROWS * 2)
-    run = write_tiny_run(
-        tmp_path,
-        tiny_base,
-        path,
-        datasets=[{"path": path, "type": "sharegpt", "conversation": "chatml"}],
-        is_mistral_derived_model=True,
-        save_strategy="no",
-        logging_steps=0.5,
-        max_steps=4,
-        micro_batch_size=1,
-        gradient_accumulation_steps=1,
-        sequence_len=128,
-    )
+    older = {"is_mistral_derived_model": True, "save_strategy": "no", "logging_steps": 0.5}
+    shape = {"max_steps": 4, "micro_batch_size": 1, "gradient_accumulation_steps": 1, "sequence_len": 128}
+    sharegpt = [{"path": path, "type": "sharegpt", "conversation": "chatml"}]
+    run = write_tiny_run(tmp_path, tiny_base, path, datasets=sharegpt, **older, **shape)
     assert main(["train", str(run)]) == 0
     out = capsys.readouterr().out
     assert (

@@ -140,18 +140,19 @@ def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
         field = model.model_fields.get(part)
         if field is None:
             return None
-        inner = _pydantic_model_in(field.annotation)
+        inner = pydantic_model_in(field.annotation)
         if inner is None:
             return None
         model = inner
     return model
 
 
-def _pydantic_model_in(annotation: Any) -> type[BaseModel] | None:
+def pydantic_model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field's annotation holds (`DatasetConfig` in `list[DatasetConfig] | None`), if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in getattr(annotation, "__args__", ()):
-        found = _pydantic_model_in(arg)
+        found = pydantic_model_in(arg)
         if found is not None:
             return found
     return None

@@ -65,39 +65,38 @@ class TrainerKeys(Feature):
             )
 
     def _resolve_save_strategy(self) -> None:
-        strategy = self.save_strategy
-        if strategy is None:
-            return
-        if strategy == "best":
+        if self.save_strategy == "best":
             raise ValueError(
                 "save_strategy: best saves whenever HF's metric_for_best_model improves, which is not supported "
                 "yet; use `load_best_model_at_end: true` with save_steps a multiple of eval_steps"
             )
-        # Axolotl's rule: save_steps (or saves_per_epoch) with any strategy but `steps` is a mismatch
-        cadence = "save_steps" if self.save_steps is not None else "saves_per_epoch"
-        if strategy != "steps" and (self.save_steps is not None or self.saves_per_epoch is not None):
-            raise ValueError(
-                f"save_strategy: {strategy} and `{cadence}` disagree; set save_strategy: steps or remove {cadence}"
-            )
-        if strategy == "epoch":
-            self.saves_per_epoch = 1
-        elif strategy == "steps" and self.save_steps is None and self.saves_per_epoch is None:
-            self.save_steps = HF_DEFAULT_SAVE_STEPS
+        self._resolve_strategy(
+            "save_strategy", self.save_strategy, "save_steps", "saves_per_epoch", HF_DEFAULT_SAVE_STEPS
+        )
 
     def _resolve_eval_strategy(self) -> None:
+        written = "eval_strategy" if self.eval_strategy else "evaluation_strategy"
         strategy = self.eval_strategy or self.evaluation_strategy
+        # HF: eval_steps defaults to logging_steps
+        self._resolve_strategy(written, strategy, "eval_steps", "evals_per_epoch", self.logging_steps)
+
+    def _resolve_strategy(
+        self, written: str, strategy: str | None, steps_key: str, per_epoch_key: str, default_steps: float
+    ) -> None:
+        """HF's `no` / `steps` / `epoch` as Axolotl's step or per-epoch count; either count beside a strategy other
+        than `steps` is a mismatch (Axolotl's rule)."""
         if strategy is None:
             return
-        written = "eval_strategy" if self.eval_strategy else "evaluation_strategy"
-        cadence = "eval_steps" if self.eval_steps is not None else "evals_per_epoch"
-        if strategy != "steps" and (self.eval_steps is not None or self.evals_per_epoch is not None):
+        steps, per_epoch = getattr(self, steps_key), getattr(self, per_epoch_key)
+        if strategy != "steps" and (steps is not None or per_epoch is not None):
+            cadence = steps_key if steps is not None else per_epoch_key
             raise ValueError(
                 f"{written}: {strategy} and `{cadence}` disagree; set {written}: steps or remove {cadence}"
             )
         if strategy == "epoch":
-            self.evals_per_epoch = 1
-        elif strategy == "steps" and self.eval_steps is None and self.evals_per_epoch is None:
-            self.eval_steps = self.logging_steps  # HF: eval_steps defaults to logging_steps
+            setattr(self, per_epoch_key, 1)
+        elif strategy == "steps" and steps is None and per_epoch is None:
+            setattr(self, steps_key, default_steps)
 
     def _resolve_report_to(self) -> None:
         named = self.report_to if isinstance(self.report_to, list) else [self.report_to]

@@ -36,6 +36,7 @@ from pydantic_core import to_jsonable_python
 from hanzo_gym import __version__
 from hanzo_gym.config import Config
 from hanzo_gym.config.hub_keys import is_repo_id
+from hanzo_gym.config.schema import pydantic_model_in
 from hanzo_gym.engine.distributed import is_main, say
 from hanzo_gym.errors import GymError, HubPushError
 from hanzo_gym.loops.run_dir import ADAPTER_MARKER, CHECKPOINT_PREFIX, MODEL_MARKER, RUN_CONFIG, TRAINER_STATE
@@ -284,23 +285,13 @@ def _away_from_defaults(values: dict, model: type[BaseModel] | None) -> dict:
             default = to_jsonable_python(field.get_default(call_default_factory=True))
             if _without_nulls(value) == _without_nulls(default):
                 continue
-        inner = _model_in(field.annotation) if field is not None else None
+        inner = pydantic_model_in(field.annotation) if field is not None else None
         if isinstance(value, dict):
             value = _away_from_defaults(value, inner)
         elif isinstance(value, list):
             value = [_away_from_defaults(item, inner) if isinstance(item, dict) else item for item in value]
         kept[key] = value
     return kept
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def _without_nulls(value: Any) -> Any:
