@@ -219,7 +219,13 @@ class DatasetConfig(StrictKeys):
             if style not in ALPACA_STYLES:
                 raise ValueError(f"`alpaca:{style}`: Axolotl's alpaca styles are {', '.join(ALPACA_STYLES)}")
             return value
-        if isinstance(value, str) and value not in DATASET_TYPES and is_axolotl_strategy(value):
+        misspelt = isinstance(value, str) and close_misspelling(value, list(DATASET_TYPES)) is not None
+        if (
+            isinstance(value, str)
+            and value not in DATASET_TYPES
+            and is_axolotl_strategy(value)
+            and not misspelt
+        ):
             raise ValueError(
                 f"`{value}` is one of Axolotl's own prompt strategies, which is not supported yet; give the rows' "
                 "format as a `type:` mapping (field_instruction, field_output, format, …) or use chat_template"
