@@ -252,6 +252,7 @@ def test_gym_train_pushes_the_adapter_tokenizer_and_card_once_at_the_end(
     assert (run / "checkpoint-2").is_dir()  # saved, and left alone by hub_strategy: end
 
 
+@pytest.mark.slow  # three whole runs: the slow tier CI runs
 @pytest.mark.parametrize("strategy", ["every_save", "checkpoint", "all_checkpoints"])
 def test_the_hub_strategies_push_at_each_save_as_hf_does(tmp_path, hub_base, chat_data, hub, strategy):
     extra = {"hub_revision": "dev", "hub_private_repo": False} if strategy == "all_checkpoints" else {}
@@ -349,6 +350,7 @@ def test_an_unreachable_hub_leaves_the_trained_run_and_one_line_to_retry(
     assert not any(name.startswith("checkpoint-") for name in files)
 
 
+@pytest.mark.slow
 def test_a_failed_push_at_a_save_loses_nothing_and_the_end_push_catches_up(
     tmp_path, hub_base, chat_data, hub, capsys
 ):
