@@ -229,6 +229,11 @@ def test_oasst_is_the_alpaca_prompt_over_its_instruction_and_response(tmp_path, 
         ),
         ({"type": "alpaca", "ds_type": "parquet"}, {}, "ds_type: parquet and path d.jsonl disagree"),
         ({"type": "alpaca", "ds_type": "csv"}, {}, "ds_type: csv files are not read yet"),
+        (
+            {"type": "jsonl"},
+            {},
+            "`jsonl` is a file format, read from `path` (or `ds_type`); `type` is the rows'",
+        ),
     ],
 )
 def test_older_dataset_keys_that_cannot_be_read_as_written_are_refused(dataset, keys, message):

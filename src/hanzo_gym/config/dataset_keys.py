@@ -33,6 +33,8 @@ FASTCHAT_TEMPLATES = {
 }
 # the extensions data/sources.py reads
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
+# what users write as a dataset's `type` when they mean its file format
+FILE_FORMATS = ("json", "jsonl", "parquet", "csv", "arrow", "text")
 
 
 class MessagePropertyMappings(StrictKeys):
@@ -219,6 +221,11 @@ class DatasetConfig(StrictKeys):
             if style not in ALPACA_STYLES:
                 raise ValueError(f"`alpaca:{style}`: Axolotl's alpaca styles are {', '.join(ALPACA_STYLES)}")
             return value
+        if value in FILE_FORMATS:
+            raise ValueError(
+                f"`{value}` is a file format, read from `path` (or `ds_type`); `type` is the rows' format: "
+                "chat_template, alpaca, completion, input_output, a `type:` mapping, or none for tokenized rows"
+            )
         misspelt = isinstance(value, str) and close_misspelling(value, list(DATASET_TYPES)) is not None
         if (
             isinstance(value, str)

@@ -2,12 +2,10 @@
 
 What a push uploads, in one commit through huggingface_hub's `create_commit`: the adapter (adapter_config.json,
 adapter_model.safetensors) or, in full fine-tuning, the model (config.json, generation_config.json,
-model.safetensors), the tokenizer files, and a model card `README.md` (front matter: `base_model` when it is a Hub
-model, `library_name` peft or transformers, `tags` hanzo-gym, the adapter kind and the training method; the run's
-final numbers and its config as YAML). Never the run's records (metrics.jsonl, checkpoints.jsonl, …), a staging
+model.safetensors), the tokenizer files, and a model card `README.md` (loops/model_card.py). Never the run's records (metrics.jsonl, checkpoints.jsonl, …), a staging
 folder, or a checkpoint folder other than the strategy's. A local absolute path in what is uploaded (the base
-model's folder, dataset files, output_dir) is replaced by its name, or for a base model in the Hub's cache layout
-(`…/models--owner--name/snapshots/…`) by its repo id: nothing of the user's file system reaches the Hub.
+model's folder, dataset files, output_dir) is replaced by what stands for it on the Hub (loops/hub_paths.py):
+nothing of the user's file system reaches the Hub.
 
 When (HF's `HubStrategy`): `end` pushes once, after the final adapter is written; `every_save` (HF's default) also
 at each checkpoint, the checkpoint's adapter at the repo's top; `checkpoint` also the checkpoint folder itself into
@@ -20,26 +18,20 @@ Only the main process pushes.
 
 from __future__ import annotations
 
-import json
-import re
 import shlex
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel
-from pydantic_core import to_jsonable_python
-
-from hanzo_gym import __version__
 from hanzo_gym.config import Config
 from hanzo_gym.config.hub_keys import is_repo_id
-from hanzo_gym.config.schema import pydantic_model_in
 from hanzo_gym.engine.distributed import is_main, say
 from hanzo_gym.errors import GymError, HubPushError
-from hanzo_gym.loops.run_dir import ADAPTER_MARKER, CHECKPOINT_PREFIX, MODEL_MARKER, RUN_CONFIG, TRAINER_STATE
+from hanzo_gym.loops.hub_paths import Scrub
+from hanzo_gym.loops.model_card import RunView, model_card
+from hanzo_gym.loops.run_dir import ADAPTER_MARKER, CHECKPOINT_PREFIX, MODEL_MARKER, TRAINER_STATE
 from hanzo_gym.loops.trackers import Tracker, Trackers
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -64,10 +56,6 @@ TOKENIZER_FILES = (
     "tekken.json",
 )
 LAST_CHECKPOINT = "last-checkpoint"  # HF's folder for hub_strategy: checkpoint
-# JSON files whose strings may name local paths (the base model, the plan's fingerprint); tokenizer.json is
-# vocabulary, whose tokens may look like paths and are left as they are.
-_SCRUBBED_JSON = ("adapter_config.json", "config.json", "generation_config.json", TRAINER_STATE)
-_HUB_CACHE_FOLDER = re.compile(r"models--([\w\-.]+?)--([\w\-.]+)")
 
 
 @dataclass(frozen=True)
@@ -92,224 +80,6 @@ class HubTarget:
         if self.revision:
             words += ["--revision", self.revision]
         return shlex.join(words)
-
-
-def hub_model_of(base_model: str | None) -> str | None:
-    """The Hub repo id of a run's base model: base_model itself when it is one, the repo of a folder in the Hub's
-    cache layout, else None (a local folder or a .gguf file)."""
-    if not base_model:
-        return None
-    path = Path(base_model).expanduser()
-    looks_local = path.is_absolute() or base_model.startswith((".", "~")) or path.exists()
-    if looks_local:
-        for part in reversed(path.parts):
-            match = _HUB_CACHE_FOLDER.fullmatch(part)
-            if match:
-                return f"{match[1]}/{match[2]}"
-        return None
-    if base_model.lower().endswith(".gguf") or not is_repo_id(base_model):
-        return None
-    return base_model
-
-
-class Scrub:
-    """Local absolute paths (those the run's config names, and the run directory) → what stands for them on the
-    Hub: a base model's repo id, else the path's last name. A path below one of them keeps the rest of itself."""
-
-    def __init__(self, run_config: dict, *directories: Path):
-        base = run_config.get("base_model")
-        self.base_model = hub_model_of(base)
-        self.names: dict[str, str] = {}
-        for value in [*_strings(run_config), *(str(directory.absolute()) for directory in directories)]:
-            path = Path(value).expanduser()
-            if not path.is_absolute():
-                continue
-            stand_in = self.base_model if value == base and self.base_model else (path.name or "/")
-            for spelling in {value, str(path), str(path.resolve())}:
-                self.names.setdefault(spelling.rstrip("/") or "/", stand_in)
-        self._longest_first = sorted(self.names, key=len, reverse=True)
-
-    def text(self, value: str) -> str:
-        for local in self._longest_first:
-            if value == local:
-                return self.names[local]
-            if value.startswith(local + "/"):
-                return self.names[local] + value[len(local) :]
-        return value
-
-    def value(self, value: Any) -> Any:
-        """`value` (a config, a parsed JSON file) with every string that is a local path replaced."""
-        if isinstance(value, str):
-            return self.text(value)
-        if isinstance(value, dict):
-            return {key: self.value(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [self.value(item) for item in value]
-        return value
-
-    def file(self, path: Path) -> Path | bytes:
-        """A file to upload as it is, or its bytes with local paths replaced."""
-        if path.name not in _SCRUBBED_JSON:
-            return path
-        try:
-            content = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            return path
-        if path.name == ADAPTER_MARKER and "base_model_name_or_path" in content:
-            name = content["base_model_name_or_path"]
-            content["base_model_name_or_path"] = self.base_model or (Path(name).name if name else name)
-        scrubbed = self.value(content)
-        if scrubbed == content and path.name != ADAPTER_MARKER:
-            return path
-        return (json.dumps(scrubbed, indent=2, sort_keys=True) + "\n").encode()
-
-
-def _strings(value: Any) -> Iterable[str]:
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _strings(item)
-
-
-@dataclass
-class RunView:
-    """What a push reads from the run directory (never uploaded as such): its config and metrics."""
-
-    run_dir: Path
-    config: dict = field(default_factory=dict)
-    metrics: list[dict] = field(default_factory=list)
-
-    @classmethod
-    def read(cls, run_dir: Path) -> RunView:
-        config_file, metrics_file = run_dir / RUN_CONFIG, run_dir / "metrics.jsonl"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        metrics = []
-        if metrics_file.is_file():
-            for line in metrics_file.read_text(encoding="utf-8").splitlines():
-                try:
-                    metrics.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a torn last line
-        return cls(run_dir, config, metrics)
-
-
-def training_method(config: dict) -> str:
-    return config.get("rl") or "sft"
-
-
-def model_card(
-    view: RunView, scrub: Scrub, repo_id: str, full_model: bool, progress: str | None = None
-) -> str:
-    """README.md: YAML front matter the Hub reads, what the model is, its final numbers and its training config."""
-    config = view.config
-    method = training_method(config)
-    adapter = config.get("adapter")
-    tags = ["hanzo-gym", *(["qlora", "lora"] if adapter == "qlora" else [adapter] if adapter else []), method]
-    front: dict[str, Any] = {}
-    if scrub.base_model:
-        front["base_model"] = scrub.base_model
-    front.update(
-        library_name="transformers" if full_model else "peft", pipeline_tag="text-generation", tags=tags
-    )
-    base = config.get("base_model")
-    if scrub.base_model:
-        shown_base = f"[{scrub.base_model}](https://huggingface.co/{scrub.base_model})"
-    else:
-        shown_base = f"`{scrub.text(base)}` (a local model)" if base else "its base model"
-    kind = "fine-tuned in full" if full_model else f"with a {_ADAPTER_NAMES.get(adapter, 'LoRA')} adapter"
-    name = repo_id.split("/")[-1]
-    lines = [
-        "---",
-        yaml.safe_dump(front, sort_keys=False, allow_unicode=True).rstrip(),
-        "---",
-        "",
-        f"# {name}",
-        "",
-        f"{shown_base} {kind}, trained with hanzo-gym ({method.upper()}).",
-    ]
-    if progress:
-        lines += ["", f"Training in progress: {progress}."]
-    results = _final_numbers(view.metrics)
-    if results:
-        lines += ["", "## Results", "", "| metric | value | step |", "|---|---|---|"]
-        lines += [f"| {key} | {value:.4f} | {step} |" for key, (value, step) in results.items()]
-    loader = "AutoModelForCausalLM" if full_model else "AutoPeftModelForCausalLM"
-    package = "transformers" if full_model else "peft"
-    lines += [
-        "",
-        "## Use",
-        "",
-        "```python",
-        f"from {package} import {loader}",
-        "",
-        f'model = {loader}.from_pretrained("{repo_id}")',
-        "```",
-    ]
-    if config:
-        lines += [
-            "",
-            "## Training config",
-            "",
-            f"The keys of the run's resolved config that are not at their hanzo-gym {__version__} defaults:",
-            "",
-            "```yaml",
-            yaml.safe_dump(scrub.value(config_shown(config)), sort_keys=False, allow_unicode=True).rstrip(),
-            "```",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-_ADAPTER_NAMES = {"lora": "LoRA", "qlora": "QLoRA"}
-_FIRST_KEYS = ("base_model", "revision_of_model", "adapter", "rl", "datasets")
-
-
-def config_shown(config: dict) -> dict:
-    """The resolved config as a user would write it: the keys away from their defaults, at every depth (unset
-    ones, `null`, left out too, as an empty key is unset), the model, method and data first."""
-    shown = _away_from_defaults(config, Config)
-    first = {key: shown.pop(key) for key in _FIRST_KEYS if key in shown}
-    return {**first, **shown}
-
-
-def _away_from_defaults(values: dict, model: type[BaseModel] | None) -> dict:
-    kept = {}
-    for key, value in values.items():
-        field = model.model_fields.get(key) if model is not None else None
-        if value is None:
-            continue
-        if field is not None and not field.is_required():
-            default = to_jsonable_python(field.get_default(call_default_factory=True))
-            if _without_nulls(value) == _without_nulls(default):
-                continue
-        inner = pydantic_model_in(field.annotation) if field is not None else None
-        if isinstance(value, dict):
-            value = _away_from_defaults(value, inner)
-        elif isinstance(value, list):
-            value = [_away_from_defaults(item, inner) if isinstance(item, dict) else item for item in value]
-        kept[key] = value
-    return kept
-
-
-def _without_nulls(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
-    if isinstance(value, list):
-        return [_without_nulls(item) for item in value]
-    return value
-
-
-def _final_numbers(metrics: list[dict]) -> dict[str, tuple[float, int]]:
-    """The newest value of the headline metrics: the train loss, the eval loss, GRPO's reward."""
-    found: dict[str, tuple[float, int]] = {}
-    for row in metrics:
-        for key in ("loss", "eval/loss", "reward"):
-            if isinstance(row.get(key), int | float):
-                found[key] = (float(row[key]), int(row.get("step", 0)))
-    return found
 
 
 def _top_files(directory: Path, patterns: Iterable[str]) -> list[Path]:
