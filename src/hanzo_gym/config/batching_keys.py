@@ -5,6 +5,8 @@ loop act on them."""
 
 from __future__ import annotations
 
+from pydantic import PrivateAttr
+
 from hanzo_gym.config.feature import Feature
 
 
@@ -20,6 +22,8 @@ class BatchingKeys(Feature):
     curriculum_sampling: bool = False
     sample_packing_sequentially: bool = False
 
+    _unused_batching: list[str] = PrivateAttr(default_factory=list)
+
     @property
     def shuffles_at_load(self) -> bool:
         """Axolotl's merge: the rows shuffled with the seed once loaded (before the validation split), unless
@@ -28,10 +32,11 @@ class BatchingKeys(Feature):
         return self.shuffle_merged_datasets and not single_in_order
 
     def check(self) -> None:
-        if self.pad_to_sequence_len and self.rl is not None:
-            raise ValueError(
-                f"pad_to_sequence_len pads SFT batches; rl: {self.rl} forms its own batches (pairs or rollouts): "
-                "remove it"
+        if self.pad_to_sequence_len and self.rl is not None:  # Axolotl's preference trainers ignore it too
+            self.pad_to_sequence_len = False
+            self._unused_batching.append(
+                f"pad_to_sequence_len: changes nothing here: it pads SFT batches, and rl: {self.rl} forms its own "
+                "(pairs or rollouts)"
             )
         if self.eval_sample_packing and not self.sample_packing:
             raise ValueError(
@@ -58,8 +63,12 @@ class BatchingKeys(Feature):
                 raise ValueError(
                     f"group_by_length orders SFT examples; rl: {self.rl} does not use it: remove it"
                 )
-            if self.sample_packing:
-                raise ValueError(
-                    "group_by_length and sample_packing: the packer forms the rows, so there is nothing to group "
-                    "by length (Axolotl's multipack sampler replaces the length-grouped one); give one of them"
+            if self.sample_packing:  # Axolotl's multipack sampler replaces the length-grouped one
+                self.group_by_length = False
+                self._unused_batching.append(
+                    "group_by_length: changes nothing here: with sample_packing the packer forms the rows, so "
+                    "there is nothing to group by length (Axolotl's multipack sampler does the same)"
                 )
+
+    def notes(self) -> list[str]:
+        return list(self._unused_batching)

@@ -21,15 +21,23 @@ from hanzo_gym.config.feature import Feature, StrictKeys
 from hanzo_gym.config.preference_keys import PAIR_METHODS
 from hanzo_gym.config.tokenizer_keys import known_chat_template
 from hanzo_gym.errors import DataError
+from hanzo_gym.renderers.chat_templates import fastchat_chatml, fastchat_llama3
 from hanzo_gym.renderers.instruction_formats import ALPACA_STYLES, AXOLOTL_STRATEGIES, InstructionFormat
 
 # older Axolotl's FastChat conversation templates → the chat template that renders them the same
 FASTCHAT_TEMPLATES = {
-    "chatml": "chatml",
-    "llama3": "llama3",
-    "llama-3": "llama3",
+    "chatml": "fastchat_chatml",
+    "qwen-7b-chat": "fastchat_chatml",
+    "llama3": "fastchat_llama3",
+    "llama-3": "fastchat_llama3",
     "alpaca": "fastchat_alpaca",
     "vicuna_v1.1": "fastchat_vicuna",
+}
+# FastChat's conversation → the top-level chat_template older Axolotl gave `default_system_message` with, which
+# then replaced that conversation's system message
+SYSTEM_MESSAGE_OF = {
+    "fastchat_chatml": ("chatml", fastchat_chatml),
+    "fastchat_llama3": ("llama3", fastchat_llama3),
 }
 # the extensions data/sources.py reads
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -392,6 +400,8 @@ class DatasetKeys(Feature):
     val_set_size: float = Field(0.0, ge=0)
     # Axolotl's evaluation datasets, read as `datasets` are: the held-out set instead of val_set_size's share
     test_datasets: list[DatasetConfig] | None = None
+    # older Axolotl's system message of `type: sharegpt`'s chatml and llama3 conversations (SYSTEM_MESSAGE_OF)
+    default_system_message: str | None = None
 
     _run_notes: list[str] = PrivateAttr(default_factory=list)
     dataset_prepared_path: str | None = None  # a folder keeping the tokenized datasets (data/prepared.py)
@@ -436,18 +446,33 @@ class DatasetKeys(Feature):
                 f"datasets give chat templates {', '.join(sorted(own))}; a run renders with one: set the "
                 "top-level chat_template"
             )
-        if own and self.chat_template not in (None, *own):
-            raise ValueError(
-                f"chat_template: {self.chat_template} and a dataset's chat_template: {own.pop()} disagree; give one"
-            )
+        written, system_message_used = self.chat_template, False
         if own:
-            self.chat_template = own.pop()
+            template = own.pop()
+            family, with_system = SYSTEM_MESSAGE_OF.get(template, (None, None))
+            # older Axolotl's top-level `chat_template: chatml` beside `conversation: chatml` is one choice
+            if written not in (None, template, family):
+                raise ValueError(
+                    f"chat_template: {written} and a dataset's chat_template: {template} disagree; give one"
+                )
+            self.chat_template = template
+            if with_system and written == family and self.default_system_message is not None:
+                self.chat_template, system_message_used = with_system(self.default_system_message), True
+                self._run_notes.append(
+                    f"default_system_message: the system message of FastChat's {family} conversation, as older "
+                    f"Axolotl set it with chat_template: {family}, where a conversation has no system turn"
+                )
         defaults = {ds._default_template for ds in every if ds._default_template}
         if self.chat_template is None and defaults:
             self.chat_template = defaults.pop()
             self._run_notes.append(
                 f"chat_template: {self.chat_template}: FastChat's vicuna_v1.1 conversation, which older Axolotl's "
                 "`type: sharegpt` rendered with when no `conversation` is given; set chat_template to choose another"
+            )
+        if self.default_system_message is not None and not system_message_used:
+            self._run_notes.append(
+                "default_system_message: changes nothing here: older Axolotl gave it to `type: sharegpt`'s chatml "
+                "and llama3 conversations with the top-level chat_template of that name, and no dataset here is one"
             )
 
     def notes(self) -> list[str]:

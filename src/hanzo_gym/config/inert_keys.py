@@ -39,10 +39,6 @@ WHY_INERT = {
         "micro_batch_size is trained as given; one that does not fit fails with out-of-memory rather than being "
         "halved"
     ),
-    "default_system_message": (
-        "Axolotl replaces the default system message of its chatml template, which has none; give conversations "
-        "their own system turn"
-    ),
 }
 
 
@@ -65,7 +61,6 @@ class InertKeys(Feature):
     sdp_attention: bool | None = None
     save_only_model: bool | None = None
     auto_find_batch_size: bool | None = None
-    default_system_message: str | None = None
 
     def notes(self) -> list[str]:
         by_reason: dict[str, list[str]] = {}

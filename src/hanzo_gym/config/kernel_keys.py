@@ -84,6 +84,9 @@ class KernelKeys(Feature):
     use_sonicmoe: bool | None = None
     fused_attn_kernel: bool | None = None  # Axolotl's Triton RMSNorm + RoPE kernel (Qwen3 families)
     flash_attn_fuse_mlp: bool | None = None  # xFormers' fused SwiGLU in place of the MLP
+    # older Axolotl's FlashAttention RMSNorm and cross-entropy kernels (Axolotl 0.19 refuses both as retired)
+    flash_attn_rms_norm: bool | None = None
+    flash_attn_cross_entropy: bool | None = None
     # FlashAttention on Gemma 4's sliding-window layers, sdpa on its global ones
     gemma4_hybrid_attn_impl: bool | None = None
     # how an MoE layer runs its experts: transformers' own loops (eager, batched_mm, grouped_mm) or a CUDA
@@ -177,7 +180,16 @@ def kernel_notes(cfg: KernelKeys) -> list[str]:
         )
     asked = [key for key in (*LIGER_KEYS, *LORA_KERNEL_KEYS, *HF_KERNEL_KEYS) if getattr(cfg, key)]
     asked = [key for key in asked if key != "liger_fused_linear_cross_entropy"]
-    asked += [key for key in ("fused_attn_kernel", "flash_attn_fuse_mlp") if getattr(cfg, key)]
+    asked += [
+        key
+        for key in (
+            "fused_attn_kernel",
+            "flash_attn_fuse_mlp",
+            "flash_attn_rms_norm",
+            "flash_attn_cross_entropy",
+        )
+        if getattr(cfg, key)
+    ]
     if asked:
         notes.append(
             f"{', '.join(asked)}: fused kernels are not applied; the model's own PyTorch modules run, which "

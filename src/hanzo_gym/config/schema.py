@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from hanzo_gym.config.adapter_keys import AdapterKeys
 from hanzo_gym.config.axolotl_keys import (
@@ -45,7 +45,7 @@ from hanzo_gym.config.tracking import TrackingKeys
 from hanzo_gym.config.trainer_keys import TrainerKeys
 from hanzo_gym.config.vllm_keys import VllmKeys
 from hanzo_gym.config.watchdog_keys import WatchdogKeys
-from hanzo_gym.config.yaml_source import load_yaml_file
+from hanzo_gym.config.yaml_source import dotted, load_yaml_file
 from hanzo_gym.errors import ConfigError
 
 __all__ = ["Config", "DatasetConfig", "load_config", "parse_config"]
@@ -125,10 +125,16 @@ class Config(
     # transformers' low-memory loading: the only way transformers 5 loads, so both values load the same
     low_cpu_mem_usage: bool | None = None
 
+    # a key the YAML file gives twice with two values, read as the last (config/yaml_source.py)
+    _repeated_keys: list[str] = PrivateAttr(default_factory=list)
+
     @model_validator(mode="after")
     def _cross_key_rules(self) -> Config:
         check_features(self)
         return self
+
+    def notes(self) -> list[str]:
+        return list(self._repeated_keys)
 
 
 def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
@@ -159,10 +165,7 @@ def pydantic_model_in(annotation: Any) -> type[BaseModel] | None:
 
 
 def _dotted(loc: tuple[str | int, ...]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or "(top level)"
+    return dotted(loc) or "(top level)"
 
 
 def _line_of(lines: dict, loc: tuple) -> int | None:
@@ -345,6 +348,11 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
         config = None
     if problems:
         raise ConfigError("\n".join(message for _, message in sorted(problems, key=lambda p: p[0])))
+    config._repeated_keys = [
+        f"{repeated.describe(source)}: the last value, {repeated.kept}, is read, as YAML readers (and so Axolotl) "
+        "read it"
+        for repeated in getattr(lines, "repeated", ())
+    ]
     return config
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
+from pydantic import PrivateAttr
+
 from hanzo_gym.config.feature import Feature
 
 # tracker → (the module it needs, the extra that installs it, its name in messages)
@@ -46,12 +48,15 @@ class TrackingKeys(Feature):
     wandb_run_id: str | None = None
     wandb_mode: Literal["online", "offline", "disabled"] | None = None
     wandb_watch: Literal["gradients", "parameters", "all", "false", False] | None = None
-    wandb_log_model: Literal["checkpoint", "end", "false", False] | None = None
+    # transformers' WANDB_LOG_MODEL, which Axolotl sets from this key: any other text is read as "false"
+    wandb_log_model: Literal["checkpoint", "end", "false", False] | str | None = None
     use_tensorboard: bool = False
     use_mlflow: bool = False
     mlflow_tracking_uri: str | None = None
     mlflow_experiment_name: str | None = None
     mlflow_run_name: str | None = None
+
+    _unread_log_model: str | None = PrivateAttr(None)
 
     @property
     def wandb_on(self) -> bool:
@@ -68,6 +73,8 @@ class TrackingKeys(Feature):
         return [name for name, wanted in on.items() if wanted]
 
     def check(self) -> None:
+        if self.wandb_log_model not in (None, False, "checkpoint", "end", "false"):
+            self._unread_log_model, self.wandb_log_model = self.wandb_log_model, "false"
         asked = bool(self.wandb_project or self.use_wandb)
         # `wandb_mode: disabled` asks for no logging, which is what a config without wandb_project gets
         idle = [
@@ -107,3 +114,13 @@ class TrackingKeys(Feature):
                     for name in missing
                 )
             )
+
+    def notes(self) -> list[str]:
+        if self._unread_log_model is None:
+            return []
+        return [
+            (
+                f"wandb_log_model: {self._unread_log_model!r} is none of checkpoint, end, false: transformers' W&B "
+                "callback reads it as false (no model is uploaded to W&B), and so does this run"
+            )
+        ]

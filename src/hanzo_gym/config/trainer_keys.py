@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from hanzo_gym.config.feature import Feature
 
@@ -34,6 +34,8 @@ class TrainerKeys(Feature):
         1800, gt=0
     )  # seconds a collective waits for the other processes (HF's default)
 
+    _unevaluated: list[str] = PrivateAttr(default_factory=list)
+
     @property
     def sampler_seed(self) -> int:
         return self.seed if self.data_seed is None else self.data_seed
@@ -54,15 +56,24 @@ class TrainerKeys(Feature):
         self._resolve_report_to()
         if self.auto_resume_from_checkpoints and self.resume_from_checkpoint is None:
             self.resume_from_checkpoint = True
+        if not self.evaluates and self.do_causal_lm_eval:  # what it measures is never run, in Axolotl too
+            written = ["do_causal_lm_eval"] + (
+                ["eval_causal_lm_metrics"] if self.eval_causal_lm_metrics else []
+            )
+            self.do_causal_lm_eval, self.eval_causal_lm_metrics = False, None
+            self._unevaluated.append(
+                f"{', '.join(written)}: changes nothing here: eval_strategy: no turns evaluations off"
+            )
         needs_evals = [
-            key
-            for key in ("early_stopping_patience", "load_best_model_at_end", "do_causal_lm_eval")
-            if getattr(self, key)
+            key for key in ("early_stopping_patience", "load_best_model_at_end") if getattr(self, key)
         ]
         if not self.evaluates and needs_evals:
             raise ValueError(
                 f"{needs_evals[0]} acts on evaluations, which eval_strategy: no turns off; remove one"
             )
+
+    def notes(self) -> list[str]:
+        return list(self._unevaluated)
 
     def _resolve_save_strategy(self) -> None:
         if self.save_strategy == "best":

@@ -7,11 +7,15 @@ A config is small and shallow, so the reader refuses what only an attack or an a
 that together repeat more than `MAX_ALIASED_NODES` nodes (a few hundred bytes of nested aliases, the "billion
 laughs" shape, would otherwise expand to billions), an alias inside its own anchor (a value that contains
 itself), and nesting deeper than `MAX_DEPTH` (Python's recursion limit would stop it with a traceback).
+
+A key written twice in one mapping is kept as YAML readers keep it, the last value, and reported in
+`KeyLines.repeated`: each caller says what it means (a run config says which value it read; a design refuses).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,15 +127,52 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+
 _UNSET = {"", "~", "null", "Null", "NULL", "false", "False", "FALSE"}
 
 
+@dataclass(frozen=True)
+class RepeatedKey:
+    """A key written twice in one mapping with two settings: where, and the value that was kept (the last)."""
+
+    path: Path_
+    first_line: int
+    line: int
+    kept: str  # the last value as written, or `a mapping` / `a list`
+
+    def describe(self, source: str) -> str:
+        return (
+            f"{source}:{self.line}: key `{dotted(self.path)}` appears twice (first on line {self.first_line})"
+        )
+
+
+class KeyLines(dict):
+    """Key path → 1-based line number, and the keys written twice with two settings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.repeated: list[RepeatedKey] = []
+
+
+def dotted(path: Path_) -> str:
+    """`datasets[0].type` for ("datasets", 0, "type")."""
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
 def _same_setting(first: yaml.Node, second: yaml.Node) -> bool:
     """A key written twice asks for one thing when both values are the same scalar or both ask for nothing
-    (empty, null or false): config templates repeat such keys, and a YAML reader keeps the last silently."""
+    (empty, null or false): config templates repeat such keys."""
     if not (isinstance(first, yaml.ScalarNode) and isinstance(second, yaml.ScalarNode)):
         return False
     return first.value == second.value or (first.value in _UNSET and second.value in _UNSET)
 
 
-def _walk(node: yaml.Node, path: Path_, lines: dict[Path_, int], source: str) -> None:
+def _as_written(node: yaml.Node) -> str:
+    if isinstance(node, yaml.ScalarNode):
+        return node.value or "(empty)"
+    return "a list" if isinstance(node, yaml.SequenceNode) else "a mapping"
+
+
+def _walk(node: yaml.Node, path: Path_, lines: KeyLines, source: str) -> None:
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, tuple[int, yaml.Node]] = {}
@@ -139,9 +180,8 @@ def _walk(node: yaml.Node, path: Path_, lines: dict[Path_, int], source: str) ->
             key = key_node.value
             key_line = key_node.start_mark.line + 1
             if key in seen and not _same_setting(seen[key][1], value_node):
-                raise ConfigError(
-                    f"{source}:{key_line}: key `{key}` appears twice (first on line {seen[key][0]}) with different "
-                    "values; keep one"
+                lines.repeated.append(
+                    RepeatedKey((*path, key), seen[key][0], key_line, _as_written(value_node))
                 )
             seen[key] = (key_line, value_node)
             _walk(value_node, (*path, key), lines, source)
@@ -151,15 +191,15 @@ def _walk(node: yaml.Node, path: Path_, lines: dict[Path_, int], source: str) ->
             _walk(item, (*path, index), lines, source)
 
 
-def load_yaml(text: str, source: str) -> tuple[Any, dict[Path_, int]]:
+def load_yaml(text: str, source: str) -> tuple[Any, KeyLines]:
     """Parse YAML text; return the data and a map from key path to 1-based line number."""
     loader = None
     try:
         loader = _Loader(text)  # the reader refuses non-printable characters here
         node = loader.get_single_node()
         if node is None:
-            return None, {}
-        lines: dict[Path_, int] = {}
+            return None, KeyLines()
+        lines = KeyLines()
         _walk(node, (), lines, source)
         return loader.construct_document(node), lines
     except _Refused as exc:
@@ -181,7 +221,7 @@ def load_yaml(text: str, source: str) -> tuple[Any, dict[Path_, int]]:
             loader.dispose()
 
 
-def load_yaml_file(path: str | Path) -> tuple[Any, dict[Path_, int]]:
+def load_yaml_file(path: str | Path) -> tuple[Any, KeyLines]:
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:

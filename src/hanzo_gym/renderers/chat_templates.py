@@ -51,9 +51,49 @@ def _fastchat_colon_two(system: str, user: str, assistant: str, sep: str) -> str
     )
 
 
+# the system message of older Axolotl's chatml and llama3 conversations (and FastChat's qwen-7b-chat), which
+# Axolotl's `default_system_message` replaced
+FASTCHAT_SYSTEM = "You are a helpful assistant."
+_SYSTEM_TURN_FIRST = (
+    "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.system = messages[0]['content'] -%}"
+    "{%- endif -%}"
+)
+
+
+def fastchat_chatml(system: str = FASTCHAT_SYSTEM) -> str:
+    """FastChat's CHATML conversation as Jinja: always a system turn (the conversation's own, else `system`),
+    then one ChatML turn per message."""
+    return (
+        f"{{%- set ns = namespace(system={system!r}) -%}}{_SYSTEM_TURN_FIRST}"
+        "{{- '<|im_start|>system\n' + ns.system + '<|im_end|>\n' -}}"
+        "{%- for message in messages if message['role'] != 'system' -%}"
+        "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    )
+
+
+def fastchat_llama3(system: str = FASTCHAT_SYSTEM) -> str:
+    """FastChat's LLAMA3 conversation as Jinja: the tokenizer's bos, a system turn unless its message is empty,
+    then one Llama 3 turn per message, its text stripped."""
+    return (
+        f"{{%- set ns = namespace(system={system!r}) -%}}{_SYSTEM_TURN_FIRST}"
+        "{{- bos_token or '' -}}"
+        "{%- if ns.system -%}"
+        "{{- '<|start_header_id|>system<|end_header_id|>\n\n' + ns.system + '<|eot_id|>' -}}{%- endif -%}"
+        "{%- for message in messages if message['role'] != 'system' -%}"
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+        " + '<|eot_id|>' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"
+    )
+
+
 # Named Jinja templates: FastChat's conversations that older Axolotl's `type: sharegpt` rendered with
-# (`conversation: alpaca`, and `vicuna_v1.1`, its default).
+# (`conversation: alpaca`, chatml, llama3, and `vicuna_v1.1`, its default).
 JINJA_TEMPLATES = {
+    "fastchat_chatml": fastchat_chatml(),
+    "fastchat_llama3": fastchat_llama3(),
     "fastchat_alpaca": _fastchat_colon_two(
         "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
         "### Instruction",

@@ -300,4 +300,8 @@ def parse_design(data: Any, source: str = "<design>", lines: dict[Loc, int] | No
 
 def load_design(path: str | Path) -> Design:
     data, lines = load_yaml_file(path)
+    if lines.repeated:  # a design is this tool's own format: nothing older to read as YAML readers do
+        raise ConfigError(
+            "\n".join(f"{repeated.describe(str(path))} with different values; keep one" for repeated in lines.repeated)
+        )
     return parse_design(data, str(path), lines)
