@@ -98,6 +98,13 @@ def test_a_value_that_fits_no_member_of_a_union_gets_one_sentence_under_the_key_
 # -- older Axolotl's keys -----------------------------------------------------------------------------------------
 
 
+def test_eval_max_new_tokens_zero_is_axolotls_default():
+    # Axolotl's config normalization: `cfg.eval_max_new_tokens or 128`
+    assert parse_minimal(eval_max_new_tokens=0).eval_max_new_tokens == parse_minimal().eval_max_new_tokens == 128
+    assert parse_minimal(eval_max_new_tokens=7).eval_max_new_tokens == 7
+    assert "Input should be greater than or equal to 1" in refusal_of(eval_max_new_tokens=-1)
+
+
 def test_older_axolotl_keys_become_todays_or_say_why_they_change_nothing():
     cfg = parse_minimal(
         is_mistral_derived_model=True,

@@ -11,6 +11,7 @@ from hanzo_gym.config.feature import Feature, StepsOrFraction, zero_means_unset
 # Axolotl's default metric list (`comet` needs a model of its own from the hub, which hanzo-gym does not fetch)
 DEFAULT_CAUSAL_LM_METRICS = ("sacrebleu", "comet", "ter", "chrf")
 CAUSAL_LM_METRICS = ("sacrebleu", "ter", "chrf", "perplexity")
+EVAL_MAX_NEW_TOKENS = 128  # Axolotl's default completion length of eval predictions
 
 
 class EvalKeys(Feature):
@@ -24,12 +25,18 @@ class EvalKeys(Feature):
     load_best_model_at_end: bool = False
     do_causal_lm_eval: bool = False  # at each evaluation, greedy completions of the held-out prompts, scored
     eval_causal_lm_metrics: list[str] | None = None
-    eval_max_new_tokens: int = Field(128, ge=1)  # completion length of eval predictions (Axolotl's default)
+    eval_max_new_tokens: int = Field(EVAL_MAX_NEW_TOKENS, ge=1)  # completion length of eval predictions
     eval_table_size: int = Field(0, ge=0)  # how many eval predictions each evaluation writes out
     # print the first tokenized training item, each token with its label (data/debug_print.py)
     debug: bool = False
 
     _evals_per_epoch = field_validator("evals_per_epoch", mode="before")(zero_means_unset)
+
+    @field_validator("eval_max_new_tokens", mode="before")
+    @classmethod
+    def _zero_is_the_default(cls, value: object) -> object:
+        """Axolotl reads `eval_max_new_tokens or 128`: 0 is its default."""
+        return EVAL_MAX_NEW_TOKENS if zero_means_unset(value) is None else value
 
     @property
     def eval_micro_batch_size(self) -> int:
