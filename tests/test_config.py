@@ -147,7 +147,7 @@ def test_a_key_written_twice_is_read_as_yaml_readers_read_it_the_last_value_and_
             "trl:\n  async_prefetch: true\n",
             "Axolotl's `trl.async_prefetch` (generating the next rollouts in the background",
         ),
-        ("fp16: true\n", "Axolotl's `fp16` (float16 mixed precision) is not supported yet"),
+        ("float16: true\n", "Axolotl's `float16` (loading the model in float16) is not supported yet"),
     ],
 )
 def test_features_we_do_not_have_fail_at_load_with_a_sentence(tmp_path, extra, expected):
@@ -305,7 +305,7 @@ def test_empty_values_mean_unset_as_in_axolotl(tmp_path):
     ("extra", "expected"),
     [
         ("use_onebitllms: true\n", "`use_onebitllms` (1-bit (BitNet) layers)"),
-        ("fp16: true\n", "`fp16` (float16 mixed precision)"),
+        ("float16: true\n", "`float16` (loading the model in float16)"),
         (
             "plugins: [axolotl.integrations.diffusion.DiffusionPlugin]\n",
             "plugin `axolotl.integrations.diffusion.DiffusionPlugin` (diffusion",
@@ -344,7 +344,7 @@ def test_every_refusal_of_a_file_is_listed_together_in_line_order(tmp_path):
         "xformers_attention: true\n"  # 8
         "lora_alpah: 32\n"  # 9
         "micro_batch_size: 0\n"  # 10
-        "fp16: true\n"  # 11
+        "float16: true\n"  # 11
         "relora: true\n"  # 12
         "optimizer: sgd\n"  # 13
     )
@@ -353,7 +353,7 @@ def test_every_refusal_of_a_file_is_listed_together_in_line_order(tmp_path):
     assert (
         "`xformers_attention`" in lines[0] and "`lora_alpah`" in lines[1] and "`micro_batch_size`" in lines[2]
     )
-    assert "`fp16`" in lines[3] and "`relora`" in lines[4] and "optimizer: sgd" in lines[5]
+    assert "`float16`" in lines[3] and "`relora`" in lines[4] and "optimizer: sgd" in lines[5]
 
 
 def test_unknown_keys_still_fail(tmp_path):

@@ -63,7 +63,7 @@ def run_vllm_serve(cfg: Config, dry_run: bool = False) -> None:
         raise GymError(f"`gym vllm-serve` needs vLLM in this environment: {INSTALL_VLLM}")
     from hanzo_gym.model.hub import choose_precision, resolve_model
 
-    dtype = str(choose_precision(cfg.bf16).dtype).removeprefix("torch.")
+    dtype = str(choose_precision(cfg.bf16, cfg.fp16).dtype).removeprefix("torch.")
     command = vllm_serve_command(
         cfg, resolve_model(cfg.base_model, cfg.trust_remote_code, cfg.revision_of_model), dtype
     )

@@ -20,7 +20,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
         "remove it; the loss is computed in chunks already",
     ),
     "pretraining_dataset": ("streaming pretraining data", "use a `completion` dataset"),
-    "fp16": ("float16 mixed precision", "use `bf16` (or `bf16: false` for fp32)"),
     "chat_template_jinja": ("a Jinja chat template in its own key", "give the Jinja text in `chat_template`"),
     "lr_scheduler_kwargs": ("extra arguments to the lr scheduler", "remove it"),
     "cosine_constant_lr_ratio": ("holding the lr constant at the end of cosine", "remove it"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,19 +57,25 @@ class Engine:
         optimizer_factory: OptimizerFactory = plain_adamw,
         activation_offloading: bool = False,
         autocast_dtype: torch.dtype | None = None,
+        loss_scaling: bool = False,
     ):
         """`activation_offloading`: keep the decoder's saved activations in host memory until the backward pass
         (engine/offload.py), trading transfer time for device memory. `autocast_dtype`: run the decoder under
         torch.autocast in that dtype (mixed precision over fp32 weights); the output layer and the losses stay
         fp32. By default an fp32 adapter over a bf16 (or fp16) base runs so (`mixed_precision_dtype`).
         `logprob_chunk`: positions per chunk of the output layer, by default sized to the vocabulary
-        (token_logprobs.chunk_rows)."""
+        (token_logprobs.chunk_rows). `loss_scaling`: fp16's dynamic loss scaling, as HF's Trainer does it with
+        torch's GradScaler (its defaults): the loss is multiplied before each backward so that small fp16
+        gradients do not underflow, the gradients divided back before the step, and a step whose gradients
+        overflowed is skipped and the scale halved."""
         self.model = model
         self.activation_offloading = activation_offloading
         self.autocast_dtype = autocast_dtype or mixed_precision_dtype(model)
         if self.autocast_dtype is not None:
             _let_autocast_cast_lora_inputs(model)
         self._optimizer_factory = optimizer_factory
+        self._loss_scaling = loss_scaling
+        self.loss_scaler: torch.amp.GradScaler | None = None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         # full fine-tuning's reference weights, when kept (keep_reference)
@@ -188,7 +195,7 @@ class Engine:
             for name, per_datum in extras.items():
                 per_datum.extend(values[name].split(lengths))
         loss, metrics = loss_fn(logprobs, **extras)
-        loss.backward()
+        self._backward(loss)
         return loss.item(), metrics
 
     def _scored_passes(
@@ -214,7 +221,7 @@ class Engine:
             entropy_N = values["entropy"]
             loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
             if backward:
-                loss.backward()
+                self._backward(loss)
             loss_sum += loss.item()
             lengths = [len(d) for d in group]
             logprobs.extend(logprobs_N.detach().cpu().split(lengths))
@@ -222,6 +229,9 @@ class Engine:
         return ForwardBackwardOutput(
             loss_sum=loss_sum, logprobs=logprobs, metrics={"loss:sum": loss_sum}, entropies=entropies
         )
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss if self.loss_scaler is None else self.loss_scaler.scale(loss)).backward()
 
     # -- state: what a checkpoint holds -------------------------------------------------------------------
     @property
@@ -251,8 +261,12 @@ class Engine:
         return adapter_weights(self.model, self._require_adapter())
 
     def optimizer_state(self) -> dict[str, Any]:
-        """A copy of torch's AdamW state dict, its moments as tensors."""
-        return state_as_tensors(copy.deepcopy(self.optimizer.state_dict()))
+        """A copy of torch's AdamW state dict, its moments as tensors; with loss scaling, the scaler's state
+        under `loss_scale`."""
+        state = state_as_tensors(copy.deepcopy(self.optimizer.state_dict()))
+        if self.loss_scaler is not None:
+            state["loss_scale"] = self.loss_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state["adapter"]` and, when present, `state["optimizer"]`; without it the optimizer starts
@@ -265,11 +279,15 @@ class Engine:
             self.reset_optimizer()
             return
         self.optimizer.zero_grad(set_to_none=True)
-        saved = state_for_optimizer(state["optimizer"], self.optimizer)
+        optimizer = dict(state["optimizer"])
+        loss_scale = optimizer.pop("loss_scale", None)
+        saved = state_for_optimizer(optimizer, self.optimizer)
         try:
             self.optimizer.load_state_dict(saved)
         except (ValueError, KeyError) as exc:
             raise GymError(f"the saved optimizer state does not fit this adapter ({exc})") from None
+        if self.loss_scaler is not None and loss_scale is not None:
+            self.loss_scaler.load_state_dict(loss_scale)
 
     def _set_model_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Full fine-tuning's weights by parameter name; a tied weight may come under either of its names."""
@@ -286,10 +304,13 @@ class Engine:
                 parameters[name].copy_(value)
 
     def reset_optimizer(self) -> None:
-        """A fresh optimizer (no moments, step 0) over the adapter; gradients are dropped."""
+        """A fresh optimizer (no moments, step 0) over the adapter, and a fresh loss scale; gradients are
+        dropped."""
         for param in self.trainable:
             param.grad = None
         self.optimizer = self._optimizer_factory(self.trainable) if self.trainable else None
+        if self._loss_scaling:
+            self.loss_scaler = torch.amp.GradScaler(self.device.type)
 
     def _require_adapter(self) -> str:
         if self.adapter_name is None:
@@ -459,15 +480,21 @@ class Engine:
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Clip (when asked), take one AdamW step with these parameters, and clear the gradients.
-        Under torchrun the gradients are first summed over all processes (see `distributed`)."""
+        Under torchrun the gradients are first summed over all processes (see `distributed`). With loss
+        scaling the gradients are unscaled first; a step whose gradients overflowed is skipped (its grad_norm
+        reported as 0, the norm of the update applied) and `loss_scale` is the scale the next step uses."""
         sync_gradients(self.trainable)
         grads = [p.grad for p in self.trainable if p.grad is not None]
         if not grads:  # nothing was accumulated: AdamW would still decay weights and advance its step count
             return {"grad_norm": 0.0, "lr": adam.learning_rate}
+        scaler = self.loss_scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
         grad_norm = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
         ).item()
-        if adam.grad_clip_norm > 0 and grad_norm > adam.grad_clip_norm:
+        overflowed = scaler is not None and not math.isfinite(grad_norm)
+        if adam.grad_clip_norm > 0 and grad_norm > adam.grad_clip_norm and not overflowed:
             scale = adam.grad_clip_norm / (grad_norm + 1e-6)
             for g in grads:
                 g.mul_(scale)
@@ -478,9 +505,16 @@ class Engine:
                 eps=adam.eps,
                 weight_decay=adam.weight_decay,
             )
-        self.optimizer.step()
+        if scaler is None:
+            self.optimizer.step()
+        else:
+            scaler.step(self.optimizer)  # skipped when unscale_ found an inf or nan
+            scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": adam.learning_rate}
+        stats = {"grad_norm": 0.0 if overflowed else grad_norm, "lr": adam.learning_rate}
+        if scaler is not None:
+            stats["loss_scale"] = scaler.get_scale()
+        return stats
 
 
 def _let_autocast_cast_lora_inputs(model: torch.nn.Module) -> None:

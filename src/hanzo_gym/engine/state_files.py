@@ -1,7 +1,7 @@
 """The one on-disk form of an engine's state, shared by `gym train` checkpoints and the Tinker client's
 `save_state`: a plain PEFT adapter directory (adapter_config.json + adapter_model.safetensors) plus, for a
-resumable state, `optimizer.safetensors` (AdamW's moments and step counts as tensors, its hyperparameters as
-JSON in the header).
+resumable state, `optimizer.safetensors` (AdamW's moments and step counts as tensors, its hyperparameters and
+fp16's loss scale as JSON in the header).
 
 Nothing here unpickles: safetensors and JSON hold only numbers and text, so a checkpoint handed over by
 someone else cannot run code when it is loaded. States written before this format (`training_state.pt` by
@@ -72,6 +72,8 @@ def optimizer_to_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor]
                 raise GymError(f"optimizer state {key!r} of parameter {index} is not a tensor")
             tensors[f"state.{index}.{key}"] = value.detach().to("cpu").contiguous()
     header = {"format": OPTIMIZER_FORMAT, "param_groups": json.dumps(state["param_groups"])}
+    if "loss_scale" in state:  # fp16's GradScaler: its scale and growth count, numbers only
+        header["loss_scale"] = json.dumps(state["loss_scale"])
     return tensors, header
 
 
@@ -86,7 +88,10 @@ def tensors_to_optimizer(tensors: dict[str, torch.Tensor], header: dict[str, str
     for name, tensor in tensors.items():
         _, index, key = name.split(".", 2)
         state.setdefault(int(index), {})[key] = tensor
-    return {"state": state, "param_groups": groups}
+    restored = {"state": state, "param_groups": groups}
+    if "loss_scale" in header:
+        restored["loss_scale"] = json.loads(header["loss_scale"])
+    return restored
 
 
 def read_optimizer_state(directory: Path) -> dict:

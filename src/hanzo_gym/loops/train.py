@@ -91,6 +91,7 @@ def build_engine(cfg: Config, plan: LoadPlan, tokenizer: PreTrainedTokenizerBase
         optimizer_factory=optimizer_factory,
         activation_offloading=plan.activations.offloading,
         autocast_dtype=plan.autocast_dtype,
+        loss_scaling=torch.float16 in (plan.base.dtype, plan.autocast_dtype),
     )
 
 
@@ -239,10 +240,11 @@ def load_run_data(
 
 def run_precision(cfg: Config) -> Precision:
     """What the run computes in, on which device, and why; full fine-tuning's mixed recipe said too."""
-    precision = choose_precision(cfg.bf16)
+    precision = choose_precision(cfg.bf16, cfg.fp16)
     if cfg.full_fine_tuning and precision.dtype != torch.float32:
         reason = (
-            f"{precision.reason}; full fine-tuning: fp32 weights and AdamW state, bf16 matmuls (autocast)"
+            f"{precision.reason}; full fine-tuning: fp32 weights and AdamW state, {precision.name} matmuls "
+            "(autocast)"
         )
         return Precision(precision.device, precision.dtype, reason)
     return precision

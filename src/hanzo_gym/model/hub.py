@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,7 @@ STALE_PARTIAL_SECONDS = 3600
 # CPU features with which oneDNN multiplies bf16 natively (x86); without them torch emulates bf16 matmuls,
 # several times slower than fp32. The first found is the one named.
 NATIVE_BF16_CPU_FEATURES = ("amx_bf16", "avx512_bf16")
+NATIVE_FP16_CPU_FEATURES = ("amx_fp16", "avx512_fp16")
 CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -95,38 +97,50 @@ class Precision:
 
     @property
     def name(self) -> str:
-        return "bf16" if self.dtype == torch.bfloat16 else "fp32"
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
 
     def describe(self) -> str:
         return f"precision: {self.name} ({self.reason})"
 
 
 def cpu_native_bf16() -> str | None:
-    """The CPU feature that multiplies bf16 natively (`amx_bf16` or `avx512_bf16`), or None. torch reports
-    what its own kernels detected; /proc/cpuinfo (Linux) answers where this torch has no such report. Tests
-    monkeypatch this to stand for a CPU without native bf16."""
+    """The CPU feature that multiplies bf16 natively (`amx_bf16` or `avx512_bf16`), or None. Tests monkeypatch
+    this to stand for a CPU without native bf16."""
+    return _cpu_feature(NATIVE_BF16_CPU_FEATURES)
+
+
+def cpu_native_fp16() -> str | None:
+    """The CPU feature that multiplies fp16 natively (`amx_fp16` or `avx512_fp16`), or None: without one, fp16
+    matmuls are emulated (about 40x slower than fp32 on an AVX512-BF16 Xeon: bench/fp16_matmul.py)."""
+    return _cpu_feature(NATIVE_FP16_CPU_FEATURES)
+
+
+def _cpu_feature(features: tuple[str, ...]) -> str | None:
+    """The first of `features` this CPU has. torch reports what its own kernels detected; /proc/cpuinfo (Linux)
+    answers where this torch has no such report."""
     capabilities = getattr(torch.cpu, "get_capabilities", None)
     if capabilities is not None:
         try:
             reported = capabilities()
         except (RuntimeError, OSError):  # a torch that cannot read its CPU's features: ask the kernel's list
             reported = None
-        if isinstance(reported, dict) and any(flag in reported for flag in NATIVE_BF16_CPU_FEATURES):
-            return next((flag for flag in NATIVE_BF16_CPU_FEATURES if reported.get(flag)), None)
+        if isinstance(reported, Mapping) and any(flag in reported for flag in features):
+            return next((flag for flag in features if reported.get(flag)), None)
     try:
         cpuinfo = CPUINFO.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
     flags = {word for line in cpuinfo.splitlines() if line.startswith("flags") for word in line.split()}
-    return next((flag for flag in NATIVE_BF16_CPU_FEATURES if flag in flags), None)
+    return next((flag for flag in features if flag in flags), None)
 
 
-def choose_precision(bf16: str | bool = "auto") -> Precision:
+def choose_precision(bf16: str | bool = "auto", fp16: bool | None = None) -> Precision:
     """The device (CUDA when there is one, else the CPU) and the compute dtype for a `bf16:` setting. `auto` is
     bf16 where the device multiplies bf16 natively: a CUDA device that supports it without emulation (compute
     capability 8.0 and newer), a CPU with AMX or AVX512-BF16 (an idle AMD EPYC with avx512_bf16 ran bf16
     matmuls of SmolLM2's shapes at about 5x fp32's rate, issue 16; bench/matmul_peak.py measures it); fp32
-    elsewhere, where bf16 matmuls are emulated and slower than fp32. `true` / `false` force it. Under torchrun each process takes the GPU that
+    elsewhere, where bf16 matmuls are emulated and slower than fp32. `true` / `false` force it. `fp16` (with bf16
+    not true: the config has resolved that) is float16. Under torchrun each process takes the GPU that
     `distributed.init_from_env` made current."""
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
@@ -138,6 +152,14 @@ def choose_precision(bf16: str | bool = "auto") -> Precision:
         feature = cpu_native_bf16()
         native = feature is not None
         has, lacks = f"CPU has {feature}", "CPU has neither avx512_bf16 nor amx_bf16"
+    if fp16:
+        slow = ""
+        if device.type == "cpu" and cpu_native_fp16() is None:
+            slow = (
+                "; this CPU has neither avx512_fp16 nor amx_fp16, so fp16 matmuls are emulated and many times "
+                "slower than fp32 (bf16: auto trains faster here)"
+            )
+        return Precision(device, torch.float16, f"fp16: true, with dynamic loss scaling{slow}")
     if bf16 == "auto":
         return Precision(device, torch.bfloat16 if native else torch.float32, has if native else lacks)
     if bf16:
