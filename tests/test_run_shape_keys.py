@@ -70,10 +70,15 @@ def test_the_keys_load_with_their_values(tmp_path):
     assert (defaults.eval_sample_packing, defaults.group_by_length, defaults.strict) == (None, False, False)
 
 
-def test_strict_takes_only_a_boolean_and_unknown_keys_fail_either_way():
+def test_strict_takes_only_a_boolean_and_reads_unknown_keys_the_same_either_way():
     assert _parse(strict=False).strict is False
     assert "`strict`" in _refusal(strict="yes")
-    assert "unknown key `frobnicate`" in _refusal(strict=False, frobnicate=1)
+    for strict in (False, True):
+        assert "did you mean `learning_rate`?" in _refusal(strict=strict, learning_rat=1e-4)
+        assert (
+            "`frobnicate` is no key of Axolotl 0.19's"
+            in feature_notes(_parse(strict=strict, frobnicate=1))[0]
+        )
 
 
 def test_lora_model_dir_must_be_an_adapter_directory(tmp_path):

@@ -150,7 +150,8 @@ class KernelKeys(Feature):
         for plugin in self.plugins:
             if plugin in OTHER_PLUGINS:
                 raise ValueError(
-                    f"Axolotl's plugin `{plugin}` ({OTHER_PLUGINS[plugin]}) is not supported yet; remove it"
+                    f"plugins: Axolotl's plugin `{plugin}` ({OTHER_PLUGINS[plugin]}) is not supported yet; "
+                    "remove it"
                 )
             if plugin not in SPEED_ONLY_PLUGINS:
                 raise ValueError(

@@ -22,6 +22,7 @@ from hanzo_gym.config.axolotl_keys import (
     close_misspelling,
     known_path,
 )
+from hanzo_gym.config.axolotl_schema_keys import AXOLOTL_KEYS
 from hanzo_gym.config.batching_keys import BatchingKeys
 from hanzo_gym.config.checkpoint_keys import CheckpointKeys
 from hanzo_gym.config.dataset_keys import DatasetConfig, DatasetKeys
@@ -116,7 +117,7 @@ class Config(
     logging_steps: StepsOrFraction = 10
     seed: int = Field(42, ge=0, le=MAX_SEED)
     # Axolotl's `strict`: whether command-line overrides may add keys the YAML lacks. hanzo-gym takes no
-    # overrides (the YAML is the whole config) and refuses unknown keys either way, so both values load.
+    # overrides (the YAML is the whole config) and reads unknown keys the same either way, so both values load.
     strict: bool = False
     # DDP's search for parameters without a gradient (so that it does not wait for them). hanzo-gym's data
     # parallelism reduces every trainable gradient in one flat all-reduce, a missing one as zeros, so no rank
@@ -125,8 +126,9 @@ class Config(
     # transformers' low-memory loading: the only way transformers 5 loads, so both values load the same
     low_cpu_mem_usage: bool | None = None
 
-    # a key the YAML file gives twice with two values, read as the last (config/yaml_source.py)
-    _repeated_keys: list[str] = PrivateAttr(default_factory=list)
+    # what loading the file read otherwise than it is written: a key given twice with two values (read as the
+    # last, config/yaml_source.py), a key neither hanzo-gym nor Axolotl reads (left out)
+    _load_notes: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _cross_key_rules(self) -> Config:
@@ -134,7 +136,7 @@ class Config(
         return self
 
     def notes(self) -> list[str]:
-        return list(self._repeated_keys)
+        return list(self._load_notes)
 
 
 def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
@@ -335,6 +337,7 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
         raise ConfigError(f"{source}: expected a mapping of config keys at the top level")
     refusals: list[tuple[int, str]] = []
     data = _refuse_known_axolotl_keys(_without_empty_values(data), (), source, lines, refusals)
+    data, foreign = _without_foreign_keys(data, source, lines, refusals)
     refused_keys = _refuse_values(data, source, lines, refusals)
     data = {key: value for key, value in data.items() if key not in refused_keys}
     problems = list(refusals)
@@ -348,12 +351,51 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
         config = None
     if problems:
         raise ConfigError("\n".join(message for _, message in sorted(problems, key=lambda p: p[0])))
-    config._repeated_keys = [
-        f"{repeated.describe(source)}: the last value, {repeated.kept}, is read, as YAML readers (and so Axolotl) "
-        "read it"
-        for repeated in getattr(lines, "repeated", ())
+    config._load_notes = [
+        *(
+            f"{repeated.describe(source)}: the last value, {repeated.kept}, is read, as YAML readers (and so "
+            "Axolotl) read it"
+            for repeated in getattr(lines, "repeated", ())
+        ),
+        *foreign,
     ]
     return config
+
+
+def _without_foreign_keys(
+    data: dict, source: str, lines: dict, refusals: list[tuple[int, str]]
+) -> tuple[dict, list[str]]:
+    """`data` without the top-level keys that are neither hanzo-gym's nor Axolotl's (a fork's, a launcher's, a
+    script's own), which Axolotl ignores, with the line that says so for each; a refusal for a key of Axolotl's
+    that is not read here yet. A key near one of ours is a misspelling, and is left for validation to refuse
+    (with its did-you-mean where there is one candidate); one near a key of Axolotl's is refused naming it."""
+    ours = sorted(Config.model_fields)
+    kept, notes = {}, []
+    for key, value in data.items():
+        # near one of ours: a misspelling, or the start of keys of ours (cut short)
+        if key in Config.model_fields or close_misspelling(key, ours) or any(o.startswith(key) for o in ours):
+            kept[key] = value
+            continue
+        line = _line_of(lines, (key,)) or 0
+        where = f"{source}:{line}" if line else source
+        near_axolotls = close_misspelling(key, sorted(AXOLOTL_KEYS))
+        if key in AXOLOTL_KEYS:
+            refusals.append((line, f"{where}: Axolotl's `{key}` is not supported yet; remove it"))
+        elif near_axolotls:
+            refusals.append(
+                (
+                    line,
+                    (
+                        f"{where}: unknown key `{key}`; did you mean Axolotl's `{near_axolotls}`, which hanzo-gym does "
+                        "not read yet?"
+                    ),
+                )
+            )
+        else:
+            notes.append(
+                f"{where}: `{key}` is no key of Axolotl 0.19's, which ignores it, and so does this run"
+            )
+    return kept, notes
 
 
 def load_config(path: str | Path) -> Config:
