@@ -329,8 +329,8 @@ def test_did_you_mean_only_for_close_misspellings(tmp_path):
     assert "did you mean `micro_batch_size`?" in _error(tmp_path, BASE + "micro_batchsize: 2\n")
     # a shortening of one key (Axolotl's GPTQ example writes it) is that key
     assert "did you mean `adam_epsilon`?" in _error(tmp_path, BASE + "adam_eps: 1.0e-6\n")
-    message = _error(tmp_path, BASE.replace("type: chat_template", "type: chat_template\n    weight: 2"))
-    assert "unknown key `datasets[0].weight`; valid keys here: chat_template, conversation," in message
+    message = _error(tmp_path, BASE.replace("type: chat_template", "type: chat_template\n    field_m: 2"))
+    assert "unknown key `datasets[0].field_m`; valid keys here: chat_template, conversation," in message
     assert "did you mean" not in _error(tmp_path, BASE + "lora_ta: 2\n")  # the start of three keys
 
 

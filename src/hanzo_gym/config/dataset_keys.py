@@ -201,11 +201,14 @@ class DatasetConfig(StrictKeys):
     _default_template: str | None = PrivateAttr(None)
     _known_chat_template = field_validator("chat_template")(known_chat_template)
 
+    # keys read before validation, as the ones they became
+    OLDER_NAMES: ClassVar[tuple[str, ...]] = ("message_field_role", "message_field_content")
+
     @model_validator(mode="before")
     @classmethod
     def _old_message_field_names(cls, data: Any) -> Any:
         """`message_field_role` / `message_field_content`: Axolotl's older names of the two mappings."""
-        if not isinstance(data, dict) or not {"message_field_role", "message_field_content"} & set(data):
+        if not isinstance(data, dict) or not set(cls.OLDER_NAMES) & set(data):
             return data
         data = dict(data)
         mappings = dict(data.get("message_property_mappings") or {})

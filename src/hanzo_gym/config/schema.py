@@ -22,7 +22,7 @@ from hanzo_gym.config.axolotl_keys import (
     close_misspelling,
     known_path,
 )
-from hanzo_gym.config.axolotl_schema_keys import AXOLOTL_KEYS
+from hanzo_gym.config.axolotl_schema_keys import AXOLOTL_DATASET_KEYS, AXOLOTL_KEYS, AXOLOTL_TRL_KEYS
 from hanzo_gym.config.batching_keys import BatchingKeys
 from hanzo_gym.config.checkpoint_keys import CheckpointKeys
 from hanzo_gym.config.dataset_keys import DatasetConfig, DatasetKeys
@@ -365,37 +365,71 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
 def _without_foreign_keys(
     data: dict, source: str, lines: dict, refusals: list[tuple[int, str]]
 ) -> tuple[dict, list[str]]:
-    """`data` without the top-level keys that are neither hanzo-gym's nor Axolotl's (a fork's, a launcher's, a
-    script's own), which Axolotl ignores, with the line that says so for each; a refusal for a key of Axolotl's
-    that is not read here yet. A key near one of ours is a misspelling, and is left for validation to refuse
-    (with its did-you-mean where there is one candidate); one near a key of Axolotl's is refused naming it."""
-    ours = sorted(Config.model_fields)
-    kept, notes = {}, []
-    for key, value in data.items():
+    """`data` without the keys that are neither hanzo-gym's nor Axolotl's (a fork's, a launcher's, a script's
+    own), at the top level, in a dataset and under `trl`, where Axolotl's schema ignores them, with the line that
+    says so for each; a refusal for a key of Axolotl's that is not read here yet. A key near one of ours is a
+    misspelling, and is left for validation to refuse (with its did-you-mean where there is one candidate); one
+    near a key of Axolotl's is refused naming it."""
+    notes: list[str] = []
+    kept = _known_keys_of(data, (), AXOLOTL_KEYS, source, lines, refusals, notes)
+    for key in ("datasets", "test_datasets"):
+        if isinstance(kept.get(key), list):
+            kept[key] = [
+                _known_keys_of(entry, (key, index), AXOLOTL_DATASET_KEYS, source, lines, refusals, notes)
+                if isinstance(entry, dict)
+                else entry
+                for index, entry in enumerate(kept[key])
+            ]
+    if isinstance(kept.get("trl"), dict):
+        kept["trl"] = _known_keys_of(kept["trl"], ("trl",), AXOLOTL_TRL_KEYS, source, lines, refusals, notes)
+    return kept, notes
+
+
+def _known_keys_of(
+    mapping: dict,
+    loc: tuple[str | int, ...],
+    axolotls: frozenset[str],
+    source: str,
+    lines: dict,
+    refusals: list[tuple[int, str]],
+    notes: list[str],
+) -> dict:
+    """One mapping of the config (at `loc`) without its foreign keys; `axolotls`: the keys Axolotl reads there."""
+    model = _model_at(loc)
+    if model is None:
+        return mapping
+    ours = sorted(model.model_fields)
+    kept = {}
+    for key, value in mapping.items():
         # near one of ours: a misspelling, or the start of keys of ours (cut short)
-        if key in Config.model_fields or close_misspelling(key, ours) or any(o.startswith(key) for o in ours):
+        if (
+            key in model.model_fields
+            or key in getattr(model, "OLDER_NAMES", ())
+            or close_misspelling(key, ours)
+            or any(o.startswith(key) for o in ours)
+        ):
             kept[key] = value
             continue
-        line = _line_of(lines, (key,)) or 0
-        where = f"{source}:{line}" if line else source
-        near_axolotls = close_misspelling(key, sorted(AXOLOTL_KEYS))
-        if key in AXOLOTL_KEYS:
-            refusals.append((line, f"{where}: Axolotl's `{key}` is not supported yet; remove it"))
+        line = _line_of(lines, (*loc, key)) or 0
+        where, name = (f"{source}:{line}" if line else source), _dotted((*loc, key))
+        near_axolotls = close_misspelling(key, sorted(axolotls))
+        if key in axolotls:
+            refusals.append((line, f"{where}: Axolotl's `{name}` is not supported yet; remove it"))
         elif near_axolotls:
             refusals.append(
                 (
                     line,
                     (
-                        f"{where}: unknown key `{key}`; did you mean Axolotl's `{near_axolotls}`, which hanzo-gym does "
-                        "not read yet?"
+                        f"{where}: unknown key `{name}`; did you mean Axolotl's `{near_axolotls}`, which hanzo-gym "
+                        "does not read yet?"
                     ),
                 )
             )
         else:
             notes.append(
-                f"{where}: `{key}` is no key of Axolotl 0.19's, which ignores it, and so does this run"
+                f"{where}: `{name}` is no key of Axolotl 0.19's, which ignores it, and so does this run"
             )
-    return kept, notes
+    return kept
 
 
 def load_config(path: str | Path) -> Config:
