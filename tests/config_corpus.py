@@ -27,7 +27,12 @@ def local_copy(data: dict, tmp_path: Path, base_model: str) -> dict:
     data["output_dir"] = str(tmp_path / "run")
     if data.get("dataset_prepared_path"):  # relative to the working directory, as in Axolotl
         data["dataset_prepared_path"] = str(tmp_path / "prepared")
-    for listed in DATASET_LISTS:
+    if isinstance(data.get("pretraining_dataset"), str):
+        data["pretraining_dataset"] = str(tmp_path / "pretraining_dataset-0.jsonl")
+    for listed in (
+        *DATASET_LISTS,
+        "pretraining_dataset",
+    ):  # the run trains on a pretraining_dataset as `datasets`
         for number, ds in enumerate(data.get(listed) or []):
             if not isinstance(ds, dict):
                 continue
@@ -72,7 +77,7 @@ def _row(ds: DatasetConfig, rl: str | None, question: str, good: str, bad: str, 
         return {kind.field_instruction or "instruction": question, kind.field_output or "output": good}
     if kind == "chat_template":
         return {ds.field_messages: _turns(ds, question, good)}
-    if kind == "completion":
+    if kind in ("completion", "pretrain"):
         return {ds.field: f"{question} {good}"}
     if kind == "input_output":
         return {"segments": [{"text": f"{question} ", "label": False}, {"text": good, "label": True}]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +25,7 @@ from hanzo_gym.data.dataset import load_examples
 from hanzo_gym.data.preference import load_preferences
 from hanzo_gym.data.prompts import prompt_from_row
 from hanzo_gym.data.sources import Row
-from hanzo_gym.data.strategies import StrategyContext, row_to_example
+from hanzo_gym.data.strategies import StrategyContext, row_to_example, row_to_examples
 from hanzo_gym.errors import ConfigError, DataError
 
 SEQUENCE_LEN = 2048
@@ -424,3 +425,75 @@ def test_axolotls_own_strategies_named_by_module_tokenize_as_axolotl(
             assert ours(data, dataset_type, tokenizer, train_on_inputs) == theirs(strategy, data), (
                 dataset_type
             )
+
+
+# -- completion and pretrain: a long text in pieces ---------------------------------------------------------
+
+LONG_TEXT = " ".join(f"Sentence {n} of a long document about the weather in town {n % 7}." for n in range(60))
+
+
+@pytest.mark.parametrize("tokenizer_name", ["qwen3_tokenizer", "llama32_tokenizer"])
+@pytest.mark.parametrize("sequence_len", [16, 64, 4096])
+def test_completion_cuts_a_long_text_as_axolotl(request, tokenizer_name, sequence_len):
+    from axolotl.prompt_strategies.completion import load
+
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    cfg = SimpleNamespace(train_on_inputs=False, sequence_len=sequence_len)
+    strategy = load(tokenizer, cfg, {"field": "text"})
+    tokenized = strategy.tokenize_prompt({"text": [LONG_TEXT]})  # Axolotl's batched form
+    ds = DatasetConfig(path="data/train.jsonl", type="completion")
+    examples = row_to_examples(
+        row({"text": LONG_TEXT}), ds, StrategyContext(tokenizer, sequence_len=sequence_len)
+    )
+    assert [e.input_ids for e in examples] == tokenized["input_ids"]
+    assert [e.labels for e in examples] == tokenized["labels"]
+    assert (len(examples) > 1) == (sequence_len < 1000)
+
+
+@pytest.mark.parametrize("tokenizer_name", ["qwen3_tokenizer", "llama32_tokenizer"])
+@pytest.mark.parametrize("sequence_len", [16, 64, 700, 4096])
+def test_pretrain_windows_are_axolotls(request, tokenizer_name, sequence_len):
+    from axolotl.prompt_strategies.pretrain import load
+
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    cfg = SimpleNamespace(
+        train_on_inputs=False, sequence_len=sequence_len, pretraining_dataset=[{"text_column": "body"}]
+    )
+    tokenized = load(tokenizer, cfg).tokenize_prompt({"body": LONG_TEXT})
+    ds = DatasetConfig(path="data/train.jsonl", type="pretrain", field="body")
+    ctx = StrategyContext(tokenizer, sequence_len=sequence_len, sample_packing=True)
+    examples = row_to_examples(row({"body": LONG_TEXT}), ds, ctx)
+    assert [e.input_ids for e in examples] == tokenized["input_ids"]
+    assert all(e.labels == e.input_ids and len(e) <= sequence_len for e in examples)
+    assert (len(examples) > 1) == (sequence_len < 1000)
+
+
+def _axolotl_function(module_path: str, name: str):
+    """One function of Axolotl's, run from its own source: its module imports what the test extra leaves out
+    (Axolotl's telemetry), the function itself only torch and typing."""
+    import ast
+    import importlib.util
+    import typing
+
+    import torch
+
+    source = (Path(importlib.util.find_spec("axolotl").origin).parent / module_path).read_text()
+    (node,) = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    namespace = {"torch": torch, **{k: getattr(typing, k) for k in ("Dict", "List", "Optional", "Callable")}}
+    exec(compile(ast.Module([node], []), module_path, "exec"), namespace)  # noqa: S102 - Axolotl's code, as reference
+    return namespace[name]
+
+
+@pytest.mark.parametrize("tokenizer_name", ["qwen3_tokenizer", "llama32_tokenizer"])
+def test_unpacked_pretraining_text_is_axolotls_stream_without_concatenation(request, tokenizer_name):
+    encode_streaming = _axolotl_function("utils/data/streaming.py", "encode_streaming")
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    texts = [LONG_TEXT, "A short one."]
+    theirs = encode_streaming(
+        {"body": texts}, tokenizer, max_tokens=64, text_column="body", concatenate=False
+    )
+    ds = DatasetConfig(path="data/train.jsonl", type="pretrain", field="body")
+    ctx = StrategyContext(tokenizer, sequence_len=64, sample_packing=False)
+    examples = [e for text in texts for e in row_to_examples(row({"body": text}), ds, ctx)]
+    assert [e.input_ids for e in examples] == theirs["input_ids"]
+    assert [e.labels for e in examples] == theirs["labels"]

@@ -363,3 +363,21 @@ def test_name_picks_a_configuration_of_a_cached_hub_dataset(hub_cache, offline):
     assert [r.file for r in read_rows(REPO_ID, name="socratic")] == [
         f"{REPO_ID}/socratic/train-00000-of-00001.jsonl"
     ]
+
+
+def test_a_file_format_builder_as_path_reads_its_data_files(tmp_path, monkeypatch):
+    """`path: json` with `data_files`, as `datasets.load_dataset("json", data_files=…)` reads them."""
+    monkeypatch.chdir(tmp_path)
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text('{"text": "one"}\n{"text": "two"}\n')
+    second.write_text('{"text": "three"}\n')
+    rows = read_rows("json", data_files=[str(first), "b.jsonl"])
+    assert [row.data["text"] for row in rows] == ["one", "two", "three"]
+    with pytest.raises(
+        DataError, match="path: json names a file format: give the files to read in `data_files`"
+    ):
+        read_rows("json")
+    with pytest.raises(DataError, match="text files are not read yet"):
+        read_rows("text", data_files=[str(first)])
+    with pytest.raises(DataError, match="data_files entry `missing.jsonl` \\(path: json\\) is not a file"):
+        read_rows("json", data_files=["missing.jsonl"])

@@ -6,6 +6,7 @@ from hanzo_gym.data.strategies import (
     StrategyContext,
     chat_messages,
     row_to_example,
+    row_to_examples,
 )
 from hanzo_gym.errors import ConfigError, DataError
 from hanzo_gym.records import IGNORE_INDEX
@@ -398,14 +399,16 @@ def test_alpaca_bad_rows(qwen3_tokenizer, data, message):
 
 def test_completion_labels_everything_and_appends_eos(qwen3_tokenizer):
     ctx = StrategyContext(qwen3_tokenizer)
-    example = row_to_example(row({"text": "The sky is blue."}), dataset("completion"), ctx)
+    (example,) = row_to_examples(row({"text": "The sky is blue."}), dataset("completion"), ctx)
     assert example.input_ids == qwen3_tokenizer.encode("The sky is blue.") + [qwen3_tokenizer.eos_token_id]
     assert example.labels == example.input_ids
 
 
 def test_completion_on_llama_has_bos_and_a_single_eos(llama32_tokenizer):
     ctx = StrategyContext(llama32_tokenizer)
-    example = row_to_example(row({"body": "Hello<|end_of_text|>"}), dataset("completion", field="body"), ctx)
+    (example,) = row_to_examples(
+        row({"body": "Hello<|end_of_text|>"}), dataset("completion", field="body"), ctx
+    )
     assert example.input_ids[0] == llama32_tokenizer.bos_token_id
     assert example.input_ids[-1] == llama32_tokenizer.eos_token_id
     assert example.input_ids.count(llama32_tokenizer.eos_token_id) == 1
@@ -416,7 +419,7 @@ def test_completion_missing_field(qwen3_tokenizer):
     ctx = StrategyContext(qwen3_tokenizer)
     expected = r"^data/train.jsonl row 7: row has no `body` string \(field = `body`\)$"
     with pytest.raises(DataError, match=expected):
-        row_to_example(row({"text": "x"}), dataset("completion", field="body"), ctx)
+        row_to_examples(row({"text": "x"}), dataset("completion", field="body"), ctx)
 
 
 def test_tokenizer_without_eos_is_a_config_error(word_tokenizer):
@@ -425,7 +428,7 @@ def test_tokenizer_without_eos_is_a_config_error(word_tokenizer):
     tokenizer = deepcopy(word_tokenizer)
     tokenizer.eos_token = None
     with pytest.raises(ConfigError, match="no eos_token"):
-        row_to_example(row({"text": "hi"}), dataset("completion"), StrategyContext(tokenizer))
+        row_to_examples(row({"text": "hi"}), dataset("completion"), StrategyContext(tokenizer))
 
 
 def test_end_of_turn_ids_only_include_tokens_in_the_vocabulary(llama32_tokenizer, qwen3_tokenizer):

@@ -19,7 +19,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
         "Liger's fused DPO loss kernel",
         "remove it; the loss is computed in chunks already",
     ),
-    "pretraining_dataset": ("streaming pretraining data", "use a `completion` dataset"),
     "chat_template_jinja": ("a Jinja chat template in its own key", "give the Jinja text in `chat_template`"),
     "lr_scheduler_kwargs": ("extra arguments to the lr scheduler", "remove it"),
     "cosine_constant_lr_ratio": ("holding the lr constant at the end of cosine", "remove it"),

@@ -256,7 +256,7 @@ class DatasetConfig(StrictKeys):
             hint = f"did you mean `{close}`? " if close else ""
             raise ValueError(
                 f"unknown dataset type; {hint}SFT and GRPO read chat_template, alpaca (alpaca:chat, alpaca:chatml, "
-                "alpaca:phi), input_output (SFT) or completion, or a `type:` mapping of your own format; preference "
+                "alpaca:phi), input_output and pretrain (SFT) or completion, or a `type:` mapping of your own format; preference "
                 "training (rl: dpo, ipo, orpo, simpo, kto) reads chat_template.default, chat_template.argilla_chat, "
                 "chat_template.argilla, passthrough, chatml.<variant> or llama3.<variant>"
             )
@@ -398,8 +398,43 @@ class DatasetConfig(StrictKeys):
         )
 
 
+class PretrainingDataset(StrictKeys):
+    """An entry of Axolotl's `pretraining_dataset`: raw text it streams (its first entry only) and trains on in
+    packed windows; read here as a dataset of that text, of `type` pretrain (Axolotl's overlapping windows) or
+    completion (cut into sequence_len pieces)."""
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    text_column: str = "text"
+    type: Literal["pretrain", "completion"] = "pretrain"
+    data_files: list[str] | None = None
+    trust_remote_code: bool = False
+    skip: int | None = Field(None, ge=0)
+
+    _one_file_or_a_list = field_validator("data_files", mode="before")(
+        lambda value: [value] if isinstance(value, str) else value
+    )
+
+    def as_dataset(self, kind: str) -> DatasetConfig:
+        return DatasetConfig(
+            path=self.path,
+            name=self.name,
+            split=self.split,
+            type=kind,
+            field=self.text_column,
+            data_files=self.data_files,
+            trust_remote_code=self.trust_remote_code,
+        )
+
+
 class DatasetKeys(Feature):
-    datasets: list[DatasetConfig] = Field(min_length=1)
+    # required unless pretraining_dataset gives the text to train on (check)
+    datasets: list[DatasetConfig] = Field(default_factory=list)
+    # Axolotl's streamed pretraining text: one path, or entries of which Axolotl reads the first
+    pretraining_dataset: str | list[PretrainingDataset] | None = None
+    # Axolotl's unpacked pretraining stream with its texts concatenated into rows (not supported yet)
+    pretraining_sample_concatenation: bool | None = None
     val_set_size: float = Field(0.0, ge=0)
     # Axolotl's evaluation datasets, read as `datasets` are: the held-out set instead of val_set_size's share
     test_datasets: list[DatasetConfig] | None = None
@@ -420,6 +455,14 @@ class DatasetKeys(Feature):
         return self.val_set_size > 0 or bool(self.test_datasets)
 
     def check(self) -> None:
+        if self.pretraining_dataset:
+            self._read_pretraining_dataset()
+        if (
+            not self.datasets
+        ):  # parse_config says so with the file's other problems; this is for a Config made in code
+            raise ValueError(
+                "`datasets` is required: list at least one dataset, each with its `path` and `type`"
+            )
         if self.test_datasets and self.val_set_size:
             raise ValueError(
                 f"test_datasets are the held-out set, and val_set_size {self.val_set_size} holds out another; "
@@ -481,6 +524,56 @@ class DatasetKeys(Feature):
     def notes(self) -> list[str]:
         every = (*self.datasets, *(self.test_datasets or []))
         return [*(line for ds in every for line in ds.notes), *self._run_notes]
+
+    def _read_pretraining_dataset(self) -> None:
+        """Axolotl's `pretraining_dataset` as the run's one dataset: the text trains in packed windows for
+        max_steps (Axolotl streams it, so max_steps is the run's length), and only test_datasets evaluate."""
+        entries = self.pretraining_dataset
+        entries = [PretrainingDataset(path=entries)] if isinstance(entries, str) else entries
+        if len(entries) > 1:
+            raise ValueError(
+                f"pretraining_dataset lists {len(entries)} datasets, and Axolotl trains on the first only: give one "
+                "(or list them under `datasets` with type: completion)"
+            )
+        if self.datasets:
+            raise ValueError(
+                "pretraining_dataset and datasets: Axolotl trains on pretraining_dataset only and reads datasets not "
+                "at all; give one of them"
+            )
+        if self.max_steps is None:
+            raise ValueError(
+                "pretraining_dataset needs max_steps: Axolotl streams the text, so the run's length (and its lr "
+                "schedule) is max_steps (Axolotl's rule)"
+            )
+        if not self.sample_packing and self.pretraining_sample_concatenation:
+            raise ValueError(
+                "pretraining_sample_concatenation: true (Axolotl's unpacked stream of texts concatenated into "
+                "sequence_len rows, attending across documents) is not supported yet; set sample_packing: true"
+            )
+        (entry,) = entries
+        if entry.skip:
+            raise ValueError(
+                f"pretraining_dataset.skip: {entry.skip} (leaving out the first rows of the stream) is not supported "
+                "yet; remove it"
+            )
+        # unpacked, Axolotl's stream reads every text alike, whatever the entry's type
+        kind = entry.type if self.sample_packing else "pretrain"
+        self.datasets = [entry.as_dataset(kind)]
+        read = (
+            "in packed windows"
+            if self.sample_packing
+            else f"cut to sequence_len - 2 = {self.sequence_len - 2} tokens"
+        )
+        self._run_notes.append(
+            f"pretraining_dataset: {entry.path} trains as a dataset of type {kind} (its `{entry.text_column}` text "
+            f"{read}), read whole rather than streamed, for max_steps"
+        )
+        if self.val_set_size:
+            self._run_notes.append(
+                f"val_set_size: {self.val_set_size} changes nothing with pretraining_dataset: Axolotl holds no part "
+                "of streamed text out, and evaluates on test_datasets only"
+            )
+            self.val_set_size = 0.0
 
     def _check_tokenized_rows(self) -> None:
         """A dataset without `type` holds tokenized SFT examples; other kinds of runs read rows to render."""

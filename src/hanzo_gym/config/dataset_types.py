@@ -21,7 +21,8 @@ KTO_TYPES = (
     *(f"{family}.{variant}" for family in ("chatml", "llama3") for variant in _KTO_VARIANTS),
     "passthrough",
 )
-SFT_TYPES = ("chat_template", "alpaca", "input_output", "completion")
+# `pretrain`: Axolotl's pretraining windows of raw text (what `pretraining_dataset` entries read)
+SFT_TYPES = ("chat_template", "alpaca", "input_output", "completion", "pretrain")
 # Older Axolotl's SFT types, read as the type each became (config/dataset_keys.py converts them): ShareGPT
 # conversations (`from` / `value` turns; `load_role`: `role` / `content`) and OpenAssistant's INSTRUCTION /
 # RESPONSE rows in the alpaca prompt.

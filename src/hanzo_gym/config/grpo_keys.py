@@ -93,10 +93,11 @@ class GrpoKeys(Feature):
             raise ValueError("trl.num_completions_to_print needs trl.log_completions: true (TRL's rule)")
         if self.rl != "grpo":
             return
-        if any(ds.type == "input_output" for ds in self.datasets):
+        sft_only = next((ds.type for ds in self.datasets if ds.type in ("input_output", "pretrain")), None)
+        if sft_only is not None:
             raise ValueError(
-                "type: input_output is SFT's (labelled segments have no prompt to answer); rl: grpo reads "
-                "chat_template, alpaca, completion or a transform of your own"
+                f"type: {sft_only} is SFT's (labelled segments or raw text have no prompt to answer); rl: grpo "
+                "reads chat_template, alpaca, completion or a transform of your own"
             )
         if self.excess_length_strategy != "drop":
             raise ValueError(

@@ -225,8 +225,6 @@ def _describe(error: dict, source: str, lines: dict) -> tuple[int, str]:
         else:
             hint = f" valid keys here: {', '.join(valid)}"
         return line, f"{where}: unknown key `{key}`;{hint}"
-    if loc == ("datasets",) and kind in ("missing", "too_short"):
-        return line, f"{where}: {_DATASETS_REQUIRED}"
     if kind == "missing":
         return line, f"{where}: `{key}` is required"
     value = error.get("input")
@@ -339,6 +337,10 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
     data = _refuse_known_axolotl_keys(_without_empty_values(data), (), source, lines, refusals)
     data, foreign = _without_foreign_keys(data, source, lines, refusals)
     refused_keys = _refuse_values(data, source, lines, refusals)
+    if not data.get("datasets") and not data.get(
+        "pretraining_dataset"
+    ):  # said with the file's other problems
+        refusals.append((0, f"{source}: {_DATASETS_REQUIRED}"))
     data = {key: value for key, value in data.items() if key not in refused_keys}
     problems = list(refusals)
     try:
@@ -349,8 +351,9 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
                 continue  # `adapter: full` was refused above; "adapter is required" would only repeat it
             problems.append(_describe(error, source, lines))
         config = None
-    if problems:
-        raise ConfigError("\n".join(message for _, message in sorted(problems, key=lambda p: p[0])))
+    if problems:  # once each: a rule the checks repeat (`datasets` is required) is said once
+        messages = dict.fromkeys(message for _, message in sorted(problems, key=lambda p: p[0]))
+        raise ConfigError("\n".join(messages))
     config._load_notes = [
         *(
             f"{repeated.describe(source)}: the last value, {repeated.kept}, is read, as YAML readers (and so "

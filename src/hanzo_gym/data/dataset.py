@@ -18,7 +18,7 @@ from hanzo_gym.config.dataset_types import is_user_transform
 from hanzo_gym.data.deduplicate import without_duplicates
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.sources import Row, read_rows
-from hanzo_gym.data.strategies import StrategyContext, row_to_example
+from hanzo_gym.data.strategies import StrategyContext, row_to_examples
 from hanzo_gym.data.user_transforms import load_user_strategy
 from hanzo_gym.errors import DataError
 from hanzo_gym.renderers.chat_templates import resolve_renderer
@@ -57,6 +57,8 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
     ctx = StrategyContext(
         tokenizer=tokenizer,
         train_on_inputs=cfg.train_on_inputs,
+        sequence_len=cfg.sequence_len,
+        sample_packing=cfg.sample_packing,
         chat_template=resolve_renderer(cfg.chat_template, tokenizer, cfg.eot_tokens)
         if needs_template
         else None,
@@ -97,25 +99,26 @@ def examples_from_rows(
     stats = DatasetStats(ds.path)
     kept = []
     for row in rows:
-        example = to_example(row) if to_example else row_to_example(row, ds, ctx)
-        if len(example) > sequence_len:
-            if excess_length == "raise":
-                raise DataError(
-                    f"{row.file} row {row.line} is {len(example)} tokens, longer than sequence_len {sequence_len} "
-                    "(excess_length_strategy: raise); raise sequence_len, or use `drop` or `truncate`"
-                )
-            if excess_length == "drop":
-                stats.too_long += 1
+        for example in [to_example(row)] if to_example else row_to_examples(row, ds, ctx):
+            if len(example) > sequence_len:
+                if excess_length == "raise":
+                    raise DataError(
+                        f"{row.file} row {row.line} is {len(example)} tokens, longer than sequence_len "
+                        f"{sequence_len} (excess_length_strategy: raise); raise sequence_len, or use `drop` or "
+                        "`truncate`"
+                    )
+                if excess_length == "drop":
+                    stats.too_long += 1
+                    continue
+                example = Example(example.input_ids[:sequence_len], example.labels[:sequence_len])
+                stats.truncated += 1
+            if len(example) < 2 or example.trained_tokens == 0:
+                stats.dropped += 1
                 continue
-            example = Example(example.input_ids[:sequence_len], example.labels[:sequence_len])
-            stats.truncated += 1
-        if len(example) < 2 or example.trained_tokens == 0:
-            stats.dropped += 1
-            continue
-        kept.append(example)
-        stats.examples += 1
-        stats.tokens += len(example)
-        stats.trained_tokens += example.trained_tokens
+            kept.append(example)
+            stats.examples += 1
+            stats.tokens += len(example)
+            stats.trained_tokens += example.trained_tokens
     return kept, stats
 
 

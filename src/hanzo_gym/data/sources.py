@@ -181,6 +181,8 @@ def _card_configs(readme: str) -> dict[str, dict[str, list[str]]]:
 def _source_files(path: str, split_name: str, data_files: list[str] | None) -> list[tuple[str, Path]]:
     """(name used in rows and messages, local path) of each file to read, in reading order."""
     local = Path(path).expanduser()
+    if path in FILE_BUILDERS and not local.exists():
+        return _builder_files(path, data_files)
     if local.is_file():
         if data_files:
             raise DataError(
@@ -191,6 +193,23 @@ def _source_files(path: str, split_name: str, data_files: list[str] | None) -> l
     if local.is_dir():
         return _directory_files(local, split_name, data_files)
     return _hub_files(path, split_name, data_files)
+
+
+# `datasets.load_dataset`'s builders named by file format: `path: json` with `data_files` reads those files
+FILE_BUILDERS = ("json", "parquet", "csv", "text")
+
+
+def _builder_files(builder: str, data_files: list[str] | None) -> list[tuple[str, Path]]:
+    if not data_files:
+        raise DataError(f"path: {builder} names a file format: give the files to read in `data_files`")
+    if builder in ("csv", "text"):
+        raise DataError(
+            f"path: {builder}: {builder} files are not read yet; convert them to .jsonl or .parquet"
+        )
+    for name in data_files:
+        if not Path(name).expanduser().is_file():
+            raise DataError(f"data_files entry `{name}` (path: {builder}) is not a file; fix the name")
+    return [(name, Path(name).expanduser()) for name in data_files]
 
 
 def _directory_files(

@@ -5,7 +5,13 @@
 - `alpaca`, `alpaca:<style>` or a `type:` mapping: the instruction (and input) in the format's prompt
   (renderers/instruction_formats.py), then the output; the output and eos are labelled.
 - `input_output`: the row's `segments` as they are, each labelled or not by its own `label`; nothing added.
-- `completion`: raw text plus eos; everything is labelled.
+- `completion`: raw text plus eos, everything labelled, cut into pieces of sequence_len tokens (Axolotl's
+  completion strategy: the text read up to 64 × sequence_len tokens, the eos added when the text ends within
+  them, then chunked).
+- `pretrain`: Axolotl's pretraining text (`pretraining_dataset`), everything labelled. Packed (sample_packing),
+  its windows of sequence_len - 1 tokens that overlap by min(256, (sequence_len - 1) // 2), each with the
+  tokenizer's special tokens and an eos; unpacked, as Axolotl's unpacked stream reads it, the text with its
+  special tokens cut to sequence_len - 2 tokens, no eos added.
 - no `type`: rows tokenized already, their `input_ids` and `labels` taken as they are.
 
 Truncation and dropping are the caller's job (`dataset.py`): these functions return the whole sequence.
@@ -42,6 +48,8 @@ class StrategyContext:
     # resolved on first use.
     chat_template: Renderer | str | None = None
     eot_tokens: list[str] | None = None  # Axolotl's end-of-turn tokens, for a setting resolved here
+    sequence_len: int = 2048  # the length completion and pretrain texts are cut to
+    sample_packing: bool = False  # how pretrain text is read (packed windows, or each text cut short)
 
     @cached_property
     def renderer(self) -> Renderer:
@@ -62,8 +70,17 @@ class StrategyContext:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def row_to_examples(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> list[Example]:
+    """The Examples of `row` under the dataset's strategy: one (untruncated), or a long text's pieces."""
+    if ds.type == "completion":
+        return completion_examples(row, ds, ctx)
+    if ds.type == "pretrain":
+        return pretrain_examples(row, ds, ctx)
+    return [row_to_example(row, ds, ctx)]
+
+
 def row_to_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example:
-    """The Example for `row` under the dataset's strategy (untruncated)."""
+    """The Example for `row` under a strategy that makes one (untruncated)."""
     if ds.type == "chat_template":
         return chat_template_example(row, ds, ctx)
     if ds.instruction_format is not None:
@@ -72,7 +89,7 @@ def row_to_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example
         return segments_example(row, ctx)
     if ds.type is None:
         return tokenized_example(row)
-    return completion_example(row, ds, ctx)
+    raise DataError(f"dataset type {ds.type}: a row may make several examples; read it with row_to_examples")
 
 
 # --- chat_template ---
@@ -248,10 +265,45 @@ def tokenized_example(row: Row) -> Example:
 # --- completion ---
 
 
-def completion_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Example:
+# Axolotl's completion strategy reads a text up to this many times sequence_len tokens
+COMPLETION_READ_LIMIT = 64
+
+
+def completion_examples(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> list[Example]:
+    """Axolotl's completion: the text read up to 64 × sequence_len tokens (special tokens included), the eos
+    added when it ends within them, and the tokens cut into pieces of sequence_len, each trained whole."""
     text = row.string(ds.field, "field")
-    ids = _ending_with(ctx.encode(text, add_special_tokens=True), ctx.eos_id)
-    return Example(ids, list(ids))
+    limit = COMPLETION_READ_LIMIT * ctx.sequence_len
+    ids = ctx.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
+    if ids and ids[-1] != ctx.eos_id and len(ids) < limit:
+        ids = [*ids, ctx.eos_id]
+    # an empty text is one example with nothing in it, which the caller counts as dropped
+    return [Example(piece, list(piece)) for piece in _pieces(ids, ctx.sequence_len) or [[]]]
+
+
+def pretrain_examples(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> list[Example]:
+    """Axolotl's pretraining text: packed, the tokenizer's own overflowing windows of sequence_len - 1 tokens (its
+    special tokens in each), overlapping by min(256, (sequence_len - 1) // 2), each ending with an eos; unpacked,
+    the text cut to sequence_len - 2 tokens (Axolotl's encode_streaming, without concatenation)."""
+    text = row.string(ds.field, "text_column")
+    if not ctx.sample_packing:
+        ids = ctx.tokenizer(text, truncation=True, max_length=ctx.sequence_len - 2, add_special_tokens=True)
+        return [Example(ids["input_ids"], list(ids["input_ids"]))]
+    width = ctx.sequence_len - 1
+    windows = ctx.tokenizer(
+        text,
+        truncation=True,
+        max_length=width,
+        add_special_tokens=True,
+        return_overflowing_tokens=True,
+        stride=min(256, (width - 1) // 2),
+    )["input_ids"]
+    windows = windows if windows and isinstance(windows[0], list) else [windows]
+    return [Example([*ids, ctx.eos_id], [*ids, ctx.eos_id]) for ids in windows if ids]
+
+
+def _pieces(ids: list[int], length: int) -> list[list[int]]:
+    return [ids[start : start + length] for start in range(0, len(ids), length)]
 
 
 # --- shared ---
