@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 
 from hanzo_gym.config import DatasetConfig
 from hanzo_gym.config.dataset_keys import DatasetTypeMapping
+from hanzo_gym.renderers.instruction_formats import Composed
 
 # the questions and answers every dataset's rows are made of
 QUESTIONS = [(f"What is {a} plus 2?", f"{a + 2}.", f"{a * 5 + 1}, surely.") for a in range(8)]
@@ -100,5 +101,11 @@ def _row(ds: DatasetConfig, rl: str | None, question: str, good: str, bad: str, 
         if rl == "kto":
             return {"prompt": question, "completion": good if index % 2 else bad, "label": bool(index % 2)}
         return {"prompt": question, "chosen": good, "rejected": bad}
-    instruction, _, output = ds.instruction_fields  # alpaca and its styles
-    return {instruction: question, output: good}
+    instruction, _, output = (
+        ds.instruction_fields
+    )  # alpaca and its styles; Axolotl's strategies' composed parts
+    return {
+        name: text
+        for spec, text in ((instruction, question), (output, good))
+        for name in (spec.fields if isinstance(spec, Composed) else (spec,))
+    }

@@ -396,9 +396,9 @@ def test_gym_train_trains_an_alpaca_phi_and_a_mapping_dataset(tmp_path, tiny_bas
 def test_axolotls_own_strategies_named_by_module_tokenize_as_axolotl(
     request, tokenizer_name, train_on_inputs
 ):
-    """`type: alpaca_chat.load_qa` and `alpaca_w_system.load_open_orca`, which users' configs name: Axolotl's
-    prompt strategies, run here without Axolotl, token for token and label for label."""
-    from axolotl.prompt_strategies import alpaca_chat, alpaca_instruct, alpaca_w_system
+    """`type: alpaca_chat.load_qa`, `alpaca_w_system.load_open_orca`, `context_qa.load` and the like, which users'
+    configs name: Axolotl's prompt strategies, run here without Axolotl, token for token and label for label."""
+    from axolotl.prompt_strategies import alpaca_chat, alpaca_instruct, alpaca_w_system, context_qa
 
     tokenizer = request.getfixturevalue(tokenizer_name)
     cases = {
@@ -417,6 +417,18 @@ def test_axolotls_own_strategies_named_by_module_tokenize_as_axolotl(
                 {"system_prompt": "You are terse.", "question": "Add 2 and 3.", "response": "5"},
                 {"system_prompt": "", "question": "Say hi.", "response": "Hi there!"},
             ],
+        ),
+        "context_qa.load": (
+            context_qa.load,
+            [{"article": "The shop opens at 9.", "question": "When does it open?", "answer": "At 9."}],
+        ),
+        "context_qa.load_v2": (
+            context_qa.load_v2,
+            [{"context": "The shop opens at 9.", "question": "When does it open?", "answer": "At 9."}],
+        ),
+        "context_qa.load_404": (
+            context_qa.load_404,
+            [{"article": "The shop opens at 9.", "unanswerable_question": "Who owns it?"}],
         ),
     }
     for dataset_type, (load, rows) in cases.items():

@@ -100,7 +100,9 @@ def test_a_value_that_fits_no_member_of_a_union_gets_one_sentence_under_the_key_
 
 def test_eval_max_new_tokens_zero_is_axolotls_default():
     # Axolotl's config normalization: `cfg.eval_max_new_tokens or 128`
-    assert parse_minimal(eval_max_new_tokens=0).eval_max_new_tokens == parse_minimal().eval_max_new_tokens == 128
+    assert (
+        parse_minimal(eval_max_new_tokens=0).eval_max_new_tokens == parse_minimal().eval_max_new_tokens == 128
+    )
     assert parse_minimal(eval_max_new_tokens=7).eval_max_new_tokens == 7
     assert "Input should be greater than or equal to 1" in refusal_of(eval_max_new_tokens=-1)
 
@@ -616,3 +618,19 @@ def test_a_dataset_without_type_is_read_as_tokenized_rows(tmp_path, qwen3_tokeni
     bad = _write(tmp_path / "bad.jsonl", [{"text": "not tokenized"}])
     with pytest.raises(Exception, match="a dataset without `type` holds tokenized rows: `input_ids` must be"):
         load_examples(parse_minimal(datasets=[{"path": bad}]), qwen3_tokenizer)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit"])
+def test_optim_args_change_nothing_for_adamw_as_in_hfs_trainer(optim, tmp_path):
+    from transformers import Trainer
+
+    args = TrainingArguments(
+        str(tmp_path), optim=optim, optim_args="eps=0.001,weight_decay=0.5", adam_epsilon=1e-8
+    )
+    _, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert kwargs["eps"] == 1e-8 and "weight_decay" not in kwargs  # HF's AdamW reads its own keys only
+    cfg = parse_minimal(optimizer=optim, optim_args={"eps": 0.001}, ddp=True, max_memory={0: "20GiB"})
+    notes = "\n".join(feature_notes(cfg))
+    assert "optim_args: changes nothing here: HF's Trainer hands optim_args only to the optimizers" in notes
+    assert "ddp: changes nothing here" in notes and "max_memory: changes nothing here" in notes
+    assert cfg.adam_epsilon == 1e-8

@@ -22,7 +22,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "chat_template_jinja": ("a Jinja chat template in its own key", "give the Jinja text in `chat_template`"),
     "lr_scheduler_kwargs": ("extra arguments to the lr scheduler", "remove it"),
     "cosine_constant_lr_ratio": ("holding the lr constant at the end of cosine", "remove it"),
-    "optim_args": ("extra arguments to the optimizer", "remove it"),
     "optim_target_modules": ("the modules an optimizer such as GaLore targets", "remove it"),
     "datasets[].shards": ("training on a shard of the dataset", "use `split` (e.g. train[:10%])"),
     "trl.vllm_enable_sleep_mode": (

@@ -34,6 +34,9 @@ AXOLOTL_STRATEGY_TYPES = (
     "alpaca_w_system.load_open_orca",
     "alpaca_instruct.load",
     "alpaca_instruct.load_no_prompt",
+    "context_qa.load",
+    "context_qa.load_v2",
+    "context_qa.load_404",
 )
 # The modules of Axolotl's prompt strategies (axolotl.prompt_strategies, its dpo and kto packages): a type that
 # names one of them is Axolotl's, not the user's

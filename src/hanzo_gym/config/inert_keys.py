@@ -30,11 +30,17 @@ WHY_INERT = {
     "remove_unused_columns": "a dataset type reads only its own fields",
     "sample_packing_eff_est": "the packed rows are counted exactly before the run plans its steps",
     "flash_attn_fuse_qkv": "a speed patch of older Axolotl's FlashAttention; attention computes the same",
-    "device_map": "the model is loaded whole onto the training device",
     "lora_on_cpu": "Axolotl's placement of the adapter while merging; training holds it beside the model",
     "lora_fan_in_fan_out": "PEFT sets it from each layer's kind (true for GPT-2's Conv1D, false for Linear)",
     "sdp_attention": "attention is torch's SDPA unless attn_implementation names another kernel",
     "save_only_model": "checkpoints keep the optimizer state too, so that a run resumes from them exactly",
+    "optim_args": (
+        "HF's Trainer hands optim_args only to the optimizers that read them (GaLore, APOLLO, AdEMAMix, RMSprop, …), "
+        "never to AdamW, the optimizer here; set adam_epsilon, adam_beta1 or adam_beta2 instead"
+    ),
+    "device_map": "the model is loaded whole onto the training device",
+    "max_memory": "the per-device memory cap of a device_map load; the model is loaded whole onto the training device",
+    "ddp": "data parallelism follows the launcher (torchrun's WORLD_SIZE), as Axolotl sets ddp when it is unset",
     "auto_find_batch_size": (
         "micro_batch_size is trained as given; one that does not fit fails with out-of-memory rather than being "
         "halved"
@@ -61,6 +67,9 @@ class InertKeys(Feature):
     sdp_attention: bool | None = None
     save_only_model: bool | None = None
     auto_find_batch_size: bool | None = None
+    optim_args: str | dict[str, Any] | None = None
+    max_memory: dict[str | int, str | int] | None = None
+    ddp: bool | None = None
 
     def notes(self) -> list[str]:
         by_reason: dict[str, list[str]] = {}

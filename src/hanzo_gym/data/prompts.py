@@ -15,6 +15,7 @@ from hanzo_gym.data.user_transforms import load_user_transform
 from hanzo_gym.errors import DataError
 from hanzo_gym.renderers import Renderer
 from hanzo_gym.renderers.chat_templates import resolve_renderer
+from hanzo_gym.renderers.instruction_formats import field_names
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -112,8 +113,9 @@ def _trl_prompt(
     return Prompt(tokens, tokenizer.decode(tokens), _row_answer(row), messages, columns)
 
 
-def _other_columns(row: Row, prompt_fields: tuple[str, ...]) -> dict:
-    return {key: value for key, value in row.data.items() if key not in prompt_fields}
+def _other_columns(row: Row, prompt_fields: tuple) -> dict:
+    read = field_names(prompt_fields)
+    return {key: value for key, value in row.data.items() if key not in read}
 
 
 def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPrompts:

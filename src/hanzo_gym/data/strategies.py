@@ -29,6 +29,7 @@ from hanzo_gym.errors import ConfigError, DataError
 from hanzo_gym.records import IGNORE_INDEX
 from hanzo_gym.renderers.base import Renderer, RendererError, axolotl_labels, axolotl_trained
 from hanzo_gym.renderers.chat_templates import resolve_renderer
+from hanzo_gym.renderers.instruction_formats import Composed, FieldSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -185,9 +186,9 @@ def _message_text(value: Any, where: str, field: str) -> str:
 def instruction_prompt(row: Row, ds: DatasetConfig) -> tuple[str, str]:
     """The row's prompt text in the dataset's instruction format, and its output."""
     instruction_field, input_field, output_field = ds.instruction_fields
-    instruction = row.string(instruction_field, "field_instruction")
-    output = row.string(output_field, "field_output")
-    input_text = row.data.get(input_field)
+    instruction = _text_of(row, instruction_field, "field_instruction")
+    output = _text_of(row, output_field, "field_output")
+    input_text = row.data.get(input_field) if input_field else None
     form = ds.instruction_format
     row_system = None
     if form.field_system is not None:
@@ -210,6 +211,13 @@ def instruction_example(row: Row, ds: DatasetConfig, ctx: StrategyContext) -> Ex
     response_ids = _ending_with(response_ids, ctx.eos_id)
     prompt_labels = list(prompt_ids) if ctx.train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
     return Example(prompt_ids + response_ids, prompt_labels + response_ids)
+
+
+def _text_of(row: Row, spec: FieldSpec, key: str) -> str:
+    """A row field's text, or a text Axolotl's strategy composes of several."""
+    if isinstance(spec, Composed):
+        return spec.template.format(**{name: row.string(name, key) for name in spec.fields})
+    return row.string(spec, key)
 
 
 # --- input_output ---

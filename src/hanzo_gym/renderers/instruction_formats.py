@@ -8,6 +8,7 @@ them (its spacing kept exactly, quirks included: `alpaca:phi` writes the input s
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 
 ALPACA_SYSTEM = (
@@ -64,8 +65,31 @@ ALPACA_STYLES = {
 }
 
 
+@dataclass(frozen=True)
+class Composed:
+    """A part of the prompt (or the output) that Axolotl's strategy writes from several row fields, `{name}` each
+    (`{article}\n===\n{question}`), or a fixed text when it names none."""
+
+    template: str
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(name for _, name, _, _ in string.Formatter().parse(self.template) if name)
+
+
+FieldSpec = str | Composed
+
+
+def field_names(specs: tuple[FieldSpec | None, ...]) -> tuple[str, ...]:
+    """The row fields these instruction, input and output specs read."""
+    return tuple(
+        name for spec in specs if spec for name in (spec.fields if isinstance(spec, Composed) else (spec,))
+    )
+
+
 # Axolotl's own prompt strategies that users name by module and function (`type: alpaca_chat.load_qa`): each an
-# instruction format over fields of its own — (format, (instruction field, input field or None, output field)).
+# instruction format over fields of its own — (format, (instruction, input or None, output)), each a field's name
+# or a text composed of fields.
 _CHAT_SYSTEM = (
     "Below is an instruction from a USER that describes a task, paired with an input that provides further context. "
     "The ASSISTANT writes a response that concisely and appropriately completes the request.\n\n"
@@ -75,7 +99,16 @@ _CHAT_SYSTEM_NO_INPUT = (
     "and concisely completes the request.\n\n"
 )
 _ALPACA_FIELDS = ("instruction", "input", "output")
-AXOLOTL_STRATEGIES: dict[str, tuple[InstructionFormat, tuple[str, str | None, str]]] = {
+# context_qa's system text (AlpacaContextPrompter), in the chat style's system block
+_CONTEXT_SYSTEM = "Use the following contextual information to concisely answer the question.\n"
+_CONTEXT_QA = InstructionFormat(
+    ALPACA_STYLES["chat"].turn,
+    ALPACA_STYLES["chat"].turn_no_input,
+    "SYSTEM: {system}\n",
+    _CONTEXT_SYSTEM,
+    _CONTEXT_SYSTEM,
+)
+AXOLOTL_STRATEGIES: dict[str, tuple[InstructionFormat, tuple[FieldSpec, FieldSpec | None, FieldSpec]]] = {
     "alpaca_instruct.load": (ALPACA_STYLES["instruct"], _ALPACA_FIELDS),
     # Axolotl's UnpromptedPrompter: the alpaca turns with no system prompt
     "alpaca_instruct.load_no_prompt": (
@@ -104,5 +137,23 @@ AXOLOTL_STRATEGIES: dict[str, tuple[InstructionFormat, tuple[str, str | None, st
             field_system="system_prompt",
         ),
         ("question", None, "response"),
+    ),
+    # an article and a question about it, answered (context_qa.load) or not answerable from it (load_404)
+    "context_qa.load": (_CONTEXT_QA, (Composed("{article}\n===\n{question}"), None, "answer")),
+    "context_qa.load_404": (
+        _CONTEXT_QA,
+        (
+            Composed("{article}\n===\n{unanswerable_question}"),
+            None,
+            Composed(
+                "The context provided does not contain any information about your inquiry. Therefore, I'm unable "
+                "to answer your question based on the given context."
+            ),
+        ),
+    ),
+    # ContextV2Prompter: no system text, the turn is the instruction as it is
+    "context_qa.load_v2": (
+        InstructionFormat("{instruction}\n{input}", "{instruction}", "{system}"),
+        (Composed("Context: {context}\nQuestion: {question}\n"), None, Composed("Answer: {answer}")),
     ),
 }
