@@ -67,3 +67,21 @@ def test_full_fine_tuning_grows_and_saves_the_vocabulary(tmp_path, tiny_base, qw
     assert main(["train", str(config)]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run")
     assert model.get_input_embeddings().num_embeddings == len(qwen3_tokenizer) + 2
+
+
+def test_special_tokens_the_vocabulary_lacks_train_as_added_tokens(tmp_path, tiny_base, capsys):
+    """Axolotl's rule: a special token it adds under an adapter needs lora_modules_to_save (embed_tokens and
+    lm_head); with them the run trains and its tokenizer keeps the token."""
+    from transformers import AutoTokenizer
+
+    special = {"special_tokens": {"additional_special_tokens": ["<think_more>"]}, "max_steps": 1}
+    config = write_tiny_run(tmp_path, tiny_base, _chats(tmp_path), **special)
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "special_tokens adds <think_more> to the vocabulary" in err and "lora_modules_to_save" in err
+    config = write_tiny_run(
+        tmp_path, tiny_base, _chats(tmp_path), lora_modules_to_save=["embed_tokens", "lm_head"], **special
+    )
+    assert main(["train", str(config)]) == 0
+    saved = AutoTokenizer.from_pretrained(tmp_path / "run")
+    assert "<think_more>" in saved.get_vocab()

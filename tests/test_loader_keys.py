@@ -148,16 +148,28 @@ def test_gym_train_refuses_a_config_written_for_another_model(tmp_path, tiny_bas
     assert not (tmp_path / "run" / "adapter_model.safetensors").exists()
 
 
-def test_special_tokens_take_the_tokenizers_own_tokens_and_refuse_new_ones(tmp_path, tiny_base, text_file):
+def test_special_tokens_take_the_tokenizers_own_tokens_and_add_new_ones_as_axolotl_does(
+    tmp_path, tiny_base, text_file
+):
     from hanzo_gym.data.dataset import load_examples
-    from hanzo_gym.model.hub import load_tokenizer
+    from hanzo_gym.model.hub import added_tokens_of, load_tokenizer
 
     roles = {"eos_token": "<|endoftext|>", "pad_token": "<|fim_pad|>"}
     tokenizer = load_tokenizer(str(tiny_base), special_tokens=roles)
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|endoftext|>", "<|fim_pad|>")
     assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    with pytest.raises(ModelError, match=r"special_tokens.bos_token: '<\|new\|>' is not in the vocabulary"):
-        load_tokenizer(str(tiny_base), special_tokens={"bos_token": "<|new|>"})
+    assert added_tokens_of(tokenizer) == ()
+    # a role's token the vocabulary lacks, and additional special tokens: added, as Axolotl's load_tokenizer adds
+    # them (add_special_tokens with the token as written), and never split
+    grown = load_tokenizer(
+        str(tiny_base),
+        special_tokens={"bos_token": "<|new|>"},
+        extra_special_tokens=["<tool>", "<|fim_pad|>"],
+    )
+    assert grown.bos_token == "<|new|>" and grown.bos_token_id == len(tokenizer)
+    assert set(added_tokens_of(grown)) == {"<|new|>", "<tool>"} and len(grown) == len(tokenizer) + 2
+    assert grown.encode("a<tool>b", add_special_tokens=False)[1] == grown.convert_tokens_to_ids("<tool>")
+    assert "<tool>" in grown.all_special_tokens
 
     path = _tiny_config(tmp_path, tiny_base, text_file, special_tokens={"eos_token": "<|endoftext|>"})
     cfg = load_config(path)

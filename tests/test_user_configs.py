@@ -32,7 +32,7 @@ NAMES = sorted(
 )
 LOADING = [name for name in NAMES if not EXPECTED.get(name)]
 # The share of the corpus that loads may only grow; raise it as features land.
-LOADING_AT_LEAST = 128
+LOADING_AT_LEAST = 129
 
 
 def _read(name: str, tmp_path: Path, base_model: str = "unused") -> tuple[dict, dict]:

@@ -11,12 +11,14 @@ from hanzo_gym.config.feature import Feature, StrictKeys
 
 
 class SpecialTokens(StrictKeys):
-    """Axolotl's `special_tokens`: which of the tokenizer's tokens play these roles."""
+    """Axolotl's `special_tokens`: which tokens play these roles (a token the vocabulary lacks is added, as
+    Axolotl adds it), and `additional_special_tokens`, added to the vocabulary as special tokens."""
 
     bos_token: str | None = None
     eos_token: str | None = None
     pad_token: str | None = None
     unk_token: str | None = None
+    additional_special_tokens: list[str] | None = None
 
 
 def known_chat_template(value: str | None) -> str | None:
@@ -68,7 +70,16 @@ class TokenizerKeys(Feature):
     @property
     def special_token_roles(self) -> dict[str, str]:
         """`special_tokens` as role → token text, the roles set only."""
-        return self.special_tokens.model_dump(exclude_none=True) if self.special_tokens else {}
+        if self.special_tokens is None:
+            return {}
+        return self.special_tokens.model_dump(exclude_none=True, exclude={"additional_special_tokens"})
+
+    @property
+    def tokens_the_config_may_add(self) -> tuple[str, ...]:
+        """`tokens`, the special tokens' texts and the additional special tokens: each added to the vocabulary
+        where the tokenizer lacks it."""
+        extra = (self.special_tokens.additional_special_tokens or []) if self.special_tokens else []
+        return (*(self.tokens or ()), *self.special_token_roles.values(), *extra)
 
     def check(self) -> None:
         if self.uses_mistral_common:

@@ -42,6 +42,7 @@ from hanzo_gym.model.embedding_noise import add_embedding_noise
 from hanzo_gym.model.hub import (
     ModelSource,
     Precision,
+    added_tokens_of,
     choose_precision,
     load_causal_lm,
     load_tokenizer,
@@ -69,8 +70,8 @@ def build_engine(cfg: Config, plan: LoadPlan, tokenizer: PreTrainedTokenizerBase
         compile_flex_attention_with(plan.flex_attention_compile)
     model = load_base(plan)
     if plan.embeddings.may_grow:
-        tokenizer_length = len(tokenizer if tokenizer is not None else load_run_tokenizer(cfg, plan.source))
-        say(fit_embeddings(model, tokenizer_length, cfg))
+        vocabulary = tokenizer if tokenizer is not None else load_run_tokenizer(cfg, plan.source)
+        say(fit_embeddings(model, len(vocabulary), cfg, added_tokens_of(vocabulary)))
     if plan.activations.checkpointing:
         enable_checkpointing(model, plan.activations.reentrant)
     if plan.embeddings.noise_alpha is not None:
@@ -209,6 +210,7 @@ def load_run_tokenizer(cfg: Config, source: ModelSource | None = None) -> PreTra
         cfg.tokens,
         cfg.uses_mistral_common,
         model_dir=source.directory if source is not None else None,
+        extra_special_tokens=cfg.special_tokens.additional_special_tokens if cfg.special_tokens else None,
     )
 
 

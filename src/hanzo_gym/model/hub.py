@@ -292,13 +292,16 @@ def load_tokenizer(
     new_tokens: list[str] | None = None,
     mistral_common: bool = False,
     model_dir: Path | None = None,
+    extra_special_tokens: list[str] | None = None,
 ) -> transformers.PreTrainedTokenizerBase:
     """Load the tokenizer from `tokenizer_config` (dir, .gguf or repo id) if given, else from base_model, with
     Axolotl's `special_tokens` (role → token text, e.g. {"eos_token": "<|eot_id|>"}) set. `trust_remote_code`
     lets a tokenizer class defined in the repository's own Python files load (transformers runs that code).
     `revision` is base_model's (`revision_of_model`), so it applies where the tokenizer is base_model's own.
     `new_tokens` (Axolotl's `tokens`) are added to the vocabulary first, matched as written (not normalized, no
-    whitespace stripped), as Axolotl adds them; special_tokens may then name them. `mistral_common` (Axolotl's
+    whitespace stripped), as Axolotl adds them; special_tokens may then name them, and one they name that the
+    vocabulary still lacks is added as that special token, as is each of `extra_special_tokens` (Axolotl's
+    additional_special_tokens); `added_tokens_of` says which were added. `mistral_common` (Axolotl's
     tokenizer_use_mistral_common): Mistral's own tokenizer (tekken.json or tokenizer.model.v*) through
     transformers' MistralCommonBackend, whose chats mistral-common encodes (renderers/mistral_common.py).
     `model_dir`: base_model's directory where it was found already."""
@@ -317,21 +320,26 @@ def load_tokenizer(
     if mistral_common:
         return _mistral_common_tokenizer(source, name)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    if new_tokens:
-        from tokenizers import AddedToken
+    from tokenizers import AddedToken
 
-        tokenizer.add_tokens(
-            [AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in new_tokens]
-        )
+    def as_written(text: str) -> AddedToken:
+        return AddedToken(text, rstrip=False, lstrip=False, normalized=False)
+
+    before = set(tokenizer.get_vocab())
+    if new_tokens:
+        tokenizer.add_tokens([as_written(t) for t in new_tokens])
     vocabulary = tokenizer.get_vocab()
     for role, text in (special_tokens or {}).items():
-        if text not in vocabulary:
-            raise ModelError(
-                f"special_tokens.{role}: {text!r} is not in the vocabulary of `{name}`: add it with `tokens` "
-                "(its embedding must then train: lora_modules_to_save with an adapter), or use a token the "
-                "tokenizer has"
-            )
-        setattr(tokenizer, role, text)
+        if text in vocabulary:
+            setattr(tokenizer, role, text)
+        else:  # Axolotl adds it; its embedding then trains (model/loader_keys.py's fit_embeddings)
+            tokenizer.add_special_tokens({role: as_written(text)})
+    if extra_special_tokens:
+        tokenizer.add_special_tokens(
+            {"additional_special_tokens": [as_written(t) for t in extra_special_tokens]},
+            replace_extra_special_tokens=False,
+        )
+    tokenizer.added_by_config = tuple(t for t in tokenizer.get_vocab() if t not in before)
     if tokenizer.pad_token is None:
         # Padding positions are excluded by the attention mask and the label mask, so the pad id's value
         # never reaches the model or the loss. Reusing eos avoids adding a token, which would resize the
@@ -339,6 +347,11 @@ def load_tokenizer(
         # label masking must use the attention mask, never `input_ids == pad_token_id` (that would drop eos).
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def added_tokens_of(tokenizer: transformers.PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """The tokens load_tokenizer added to this tokenizer's vocabulary (`tokens`, special tokens it lacked)."""
+    return getattr(tokenizer, "added_by_config", ())
 
 
 def _mistral_common_tokenizer(source: Path, name: str) -> transformers.PreTrainedTokenizerBase:

@@ -47,8 +47,9 @@ class AdapterPlan:
 
 @dataclass(frozen=True)
 class EmbeddingPlan:
-    """Axolotl's `tokens` added to the vocabulary, `resize_token_embeddings_to_32x`, and NEFTune's noise on the
-    input embeddings while training (`noise_alpha`, model/embedding_noise.py)."""
+    """The tokens the config may add to the vocabulary (Axolotl's `tokens`, special tokens the tokenizer may lack),
+    `resize_token_embeddings_to_32x`, and NEFTune's noise on the input embeddings while training (`noise_alpha`,
+    model/embedding_noise.py)."""
 
     new_tokens: tuple[str, ...] = ()
     resize_to_32x: bool = False
@@ -120,7 +121,7 @@ class LoadPlan:
             autocast_dtype=dtype if cfg.full_fine_tuning and dtype != torch.float32 else None,
             unfrozen_parameters=cfg.unfrozen_parameters,
             embeddings=EmbeddingPlan(
-                tuple(cfg.tokens or ()), cfg.resize_token_embeddings_to_32x, cfg.embedding_noise_alpha
+                cfg.tokens_the_config_may_add, cfg.resize_token_embeddings_to_32x, cfg.embedding_noise_alpha
             ),
             activations=ActivationPlan(
                 offloading, checkpointing, cfg.gradient_checkpointing_kwargs.use_reentrant

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -128,25 +129,29 @@ def enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
         model.enable_input_require_grads()
 
 
-def fit_embeddings(model: torch.nn.Module, tokenizer_length: int, cfg: Config) -> str | None:
+def fit_embeddings(
+    model: torch.nn.Module, tokenizer_length: int, cfg: Config, added: Sequence[str] = ()
+) -> str | None:
     """Make the embedding matrix (and the output layer) hold the tokenizer's vocabulary, `tokens` included, as
     Axolotl does: grown only when it has fewer rows than the tokenizer's length (rounded up to a multiple of 32
     under `resize_token_embeddings_to_32x`), the new rows drawn by the model's own initialisation, or at the mean
     of the old with `mean_resizing_embeddings` (Axolotl passes it to transformers, whose default it overrides).
     A line to print when it grew. Added tokens (in new rows or in rows the model had spare) start untrained,
     so under an adapter the embeddings must train beside it (lora_modules_to_save); a grown matrix could not
-    be carried to the published base otherwise either. That fails, naming the modules."""
+    be carried to the published base otherwise either. That fails, naming the modules. `added`: the tokens
+    the tokenizer's loading added (`tokens`, special tokens it lacked)."""
     rows = model.get_input_embeddings().num_embeddings
     wanted = math.ceil(tokenizer_length / 32) * 32 if cfg.resize_token_embeddings_to_32x else tokenizer_length
     grows = rows < wanted
-    if cfg.adapter and (grows or cfg.tokens):
+    if cfg.adapter and (grows or cfg.tokens or added):
         missing = [m for m in _embedding_module_names(model) if m not in (cfg.lora_modules_to_save or [])]
         if missing:
-            why = (
-                f"tokens adds {len(cfg.tokens)} to the vocabulary"
-                if cfg.tokens
-                else f"resize_token_embeddings_to_32x grows the {rows} embedding rows to {wanted}"
-            )
+            if cfg.tokens:
+                why = f"tokens adds {len(cfg.tokens)} to the vocabulary"
+            elif added:
+                why = f"special_tokens adds {', '.join(added)} to the vocabulary (Axolotl adds a special token it lacks)"
+            else:
+                why = f"resize_token_embeddings_to_32x grows the {rows} embedding rows to {wanted}"
             raise ModelError(
                 f"{why}, whose embeddings must train, and `adapter: {cfg.adapter}` trains only LoRA matrices: "
                 f"add {', '.join(f'`{m}`' for m in missing)} to lora_modules_to_save (trained and saved whole "
