@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 Loaded = TypeVar("Loaded", LoadedData, LoadedPreferences, LoadedPrompts)
 
-FORMAT = 3  # 2: prompts keep their messages; 3: the count of duplicates left out
+FORMAT = 4  # 2: prompts keep their messages; 3: the count of duplicates left out; 4: completion texts in pieces
 DATA_FILE = "prepared.json"
 INPUTS_FILE = "inputs.json"
 # Every config key a loader of `hanzo_gym.data` reads (dataset.py, preference.py, prompts.py).
@@ -95,6 +95,8 @@ def prepared_inputs(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str
     settings = cfg.model_dump(mode="json", include=set(DATA_KEYS))
     if not cfg.shuffles_at_load:  # only then, so that the entries written before the key still match
         settings["shuffle_merged_datasets"] = False
+    if any(ds.type == "pretrain" for ds in cfg.datasets):  # packed windows, or each text cut short
+        settings["sample_packing"] = cfg.sample_packing
     files = {
         str(path): _file_sha256(path)
         for ds in cfg.datasets
