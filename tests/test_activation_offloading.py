@@ -1,4 +1,4 @@
-"""Axolotl's `activation_offloading` and `gradient_checkpointing: offload` (issue 13): saved activations in host
+"""Axolotl's `activation_offloading` and `gradient_checkpointing: offload`: saved activations in host
 memory until the backward pass, with the gradients of a run that keeps them on the device."""
 
 from __future__ import annotations

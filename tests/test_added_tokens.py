@@ -1,4 +1,4 @@
-"""Axolotl's `tokens` (issue 13): tokens added to the vocabulary, matched as written; their embeddings grow and
+"""Axolotl's `tokens`: tokens added to the vocabulary, matched as written; their embeddings grow and
 train (beside an adapter only through lora_modules_to_save, or else the run fails at start naming the modules);
 the run's tokenizer keeps them and `gym merge` folds the trained embeddings into a model of the new size."""
 

@@ -17,7 +17,7 @@ from hanzo_gym.config.yaml_source import load_yaml
 from hanzo_gym.errors import ConfigError
 
 CONFIGS = Path(__file__).parent / "axolotl_configs"
-# config file → the keys its refusal names ([] = it loads). Shrinks as the features land (issue 13).
+# config file → the keys its refusal names ([] = it loads). Shrinks as the features land.
 EXPECTED: dict[str, list[str]] = yaml.safe_load((CONFIGS / "expected.yaml").read_text())
 NAMES = sorted(
     p.name for p in CONFIGS.iterdir() if p.suffix in (".yml", ".yaml") and p.name != "expected.yaml"

@@ -1,4 +1,4 @@
-"""Bad input gives one `error:` line and exit 2, never a hang or a traceback (issue 12, "Hardening").
+"""Bad input gives one `error:` line and exit 2, never a hang or a traceback.
 
 Inputs that used to hang or allocate without bound run the CLI in a subprocess under a timeout and an
 address-space limit, so a regression fails the test instead of stalling or swapping the machine."""

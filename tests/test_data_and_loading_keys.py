@@ -1,5 +1,5 @@
-"""Axolotl's `dataset_exact_deduplication`, `bfloat16`, `low_cpu_mem_usage` and `revision_of_model`
-(issue 13): each does what Axolotl does, or fails at load with the reason."""
+"""Axolotl's `dataset_exact_deduplication`, `bfloat16`, `low_cpu_mem_usage` and `revision_of_model`:
+each does what Axolotl does, or fails at load with the reason."""
 
 from __future__ import annotations
 

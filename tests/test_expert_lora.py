@@ -1,4 +1,4 @@
-"""Axolotl's `lora_target_parameters` (issue 13): LoRA on an MoE layer's stacked 3-D expert weights through PEFT's
+"""Axolotl's `lora_target_parameters`: LoRA on an MoE layer's stacked 3-D expert weights through PEFT's
 `target_parameters`, beside LoRA on linear layers, over full-precision or quantized experts; and
 `experts_implementation`. The adapter is PEFT's own format: PEFT loads it and `gym merge` folds it."""
 

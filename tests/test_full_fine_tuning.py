@@ -1,4 +1,4 @@
-"""Full fine-tuning (issue 13): a config without `adapter`, as Axolotl reads it, trains every weight. One step
+"""Full fine-tuning: a config without `adapter`, as Axolotl reads it, trains every weight. One step
 equals plain PyTorch's (transformers' loss, torch's AdamW); the run writes the model where Axolotl does, so
 from_pretrained(output_dir) loads it; a checkpoint resumes to the same weights; what cannot go with it fails
 at load with the reason."""

@@ -1,4 +1,4 @@
-"""The keys of Axolotl's gpt-oss examples (issue 13): `model_quantization_config: Mxfp4Config` with `dequantize:
+"""The keys of Axolotl's gpt-oss examples: `model_quantization_config: Mxfp4Config` with `dequantize:
 true` (the MXFP4 experts decoded as they load), an attention kernel on the Hub, `experimental_skip_move_to_device`,
 and a dataset's `field_thinking` / `template_thinking_key`."""
 

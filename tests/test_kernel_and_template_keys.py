@@ -1,5 +1,5 @@
 """Axolotl's kernel plugins and keys (and the old `flash_attention`), regular-expression `lora_target_modules`,
-`evals_per_epoch: 0`, its chat template names, `eot_tokens` and `drop_system_message` (issue 13): each does what
+`evals_per_epoch: 0`, its chat template names, `eot_tokens` and `drop_system_message`: each does what
 Axolotl does, or fails with the reason."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Axolotl's `lora_modules_to_save` (issue 13): whole modules (the embeddings and the output layer) trained
+"""Axolotl's `lora_modules_to_save`: whole modules (the embeddings and the output layer) trained
 beside the LoRA adapter, as PEFT's modules_to_save; the engine's fused log-probability path trains the output
 copy, a reference pass scores with the base's, the adapter saves, resumes and merges as PEFT's own does."""
 

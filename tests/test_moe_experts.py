@@ -1,4 +1,4 @@
-"""Axolotl's `quantize_moe_experts` (issue 13): an MoE model's stacked expert weights quantized as they load, to
+"""Axolotl's `quantize_moe_experts`: an MoE model's stacked expert weights quantized as they load, to
 NF4 beside QLoRA's 4-bit linear layers or to int8 rows beside an 8-bit base; the frozen experts compute what
 bitsandbytes' own round trip of them computes."""
 

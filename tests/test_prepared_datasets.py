@@ -1,4 +1,4 @@
-"""Axolotl's `dataset_prepared_path` (issue 13): `gym preprocess` fills it, `gym train` reads it instead of
+"""Axolotl's `dataset_prepared_path`: `gym preprocess` fills it, `gym train` reads it instead of
 tokenizing again, and a changed data file, tokenizer or data key prepares a new entry instead of reading a
 stale one."""
 

@@ -1,4 +1,4 @@
-"""Axolotl's `unfrozen_parameters` (issue 13): full fine-tuning of the parameters its patterns match, read as
+"""Axolotl's `unfrozen_parameters`: full fine-tuning of the parameters its patterns match, read as
 Axolotl reads them; the frozen ones keep their values and hold no optimizer state; a resumed run must name the
 same ones; with an adapter (where Axolotl would freeze the adapter too) and for row ranges it fails at load."""
 

@@ -138,7 +138,7 @@ def choose_precision(bf16: str | bool = "auto", fp16: bool | None = None) -> Pre
     """The device (CUDA when there is one, else the CPU) and the compute dtype for a `bf16:` setting. `auto` is
     bf16 where the device multiplies bf16 natively: a CUDA device that supports it without emulation (compute
     capability 8.0 and newer), a CPU with AMX or AVX512-BF16 (an idle AMD EPYC with avx512_bf16 ran bf16
-    matmuls of SmolLM2's shapes at about 5x fp32's rate, issue 16; bench/matmul_peak.py measures it); fp32
+    matmuls of SmolLM2's shapes at about 5x fp32's rate; bench/matmul_peak.py measures it); fp32
     elsewhere, where bf16 matmuls are emulated and slower than fp32. `true` / `false` force it. `fp16` (with bf16
     not true: the config has resolved that) is float16. Under torchrun each process takes the GPU that
     `distributed.init_from_env` made current."""
