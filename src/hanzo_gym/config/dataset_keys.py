@@ -408,13 +408,9 @@ class PretrainingDataset(StrictKeys):
     split: str = "train"
     text_column: str = "text"
     type: Literal["pretrain", "completion"] = "pretrain"
-    data_files: list[str] | None = None
+    data_files: str | list[str] | None = None  # one file, or a list (the dataset reads either)
     trust_remote_code: bool = False
     skip: int | None = Field(None, ge=0)
-
-    _one_file_or_a_list = field_validator("data_files", mode="before")(
-        lambda value: [value] if isinstance(value, str) else value
-    )
 
     def as_dataset(self, kind: str) -> DatasetConfig:
         return DatasetConfig(
