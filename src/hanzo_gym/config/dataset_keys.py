@@ -453,9 +453,7 @@ class DatasetKeys(Feature):
     def check(self) -> None:
         if self.pretraining_dataset:
             self._read_pretraining_dataset()
-        if (
-            not self.datasets
-        ):  # parse_config says so with the file's other problems; this is for a Config made in code
+        if not self.datasets:
             raise ValueError(
                 "`datasets` is required: list at least one dataset, each with its `path` and `type`"
             )

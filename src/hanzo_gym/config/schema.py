@@ -337,9 +337,8 @@ def parse_config(data: Any, source: str = "<config>", lines: dict | None = None)
     data = _refuse_known_axolotl_keys(_without_empty_values(data), (), source, lines, refusals)
     data, foreign = _without_foreign_keys(data, source, lines, refusals)
     refused_keys = _refuse_values(data, source, lines, refusals)
-    if not data.get("datasets") and not data.get(
-        "pretraining_dataset"
-    ):  # said with the file's other problems
+    # said here, with the file's other problems (DatasetKeys.check says it for a Config made in code)
+    if not data.get("datasets") and not data.get("pretraining_dataset"):
         refusals.append((0, f"{source}: {_DATASETS_REQUIRED}"))
     data = {key: value for key, value in data.items() if key not in refused_keys}
     problems = list(refusals)

@@ -100,26 +100,34 @@ def examples_from_rows(
     kept = []
     for row in rows:
         for example in [to_example(row)] if to_example else row_to_examples(row, ds, ctx):
-            if len(example) > sequence_len:
-                if excess_length == "raise":
-                    raise DataError(
-                        f"{row.file} row {row.line} is {len(example)} tokens, longer than sequence_len "
-                        f"{sequence_len} (excess_length_strategy: raise); raise sequence_len, or use `drop` or "
-                        "`truncate`"
-                    )
-                if excess_length == "drop":
-                    stats.too_long += 1
-                    continue
-                example = Example(example.input_ids[:sequence_len], example.labels[:sequence_len])
-                stats.truncated += 1
-            if len(example) < 2 or example.trained_tokens == 0:
-                stats.dropped += 1
-                continue
-            kept.append(example)
-            stats.examples += 1
-            stats.tokens += len(example)
-            stats.trained_tokens += example.trained_tokens
+            fitted = _fitted(example, row, sequence_len, excess_length, stats)
+            if fitted is not None:
+                kept.append(fitted)
+                stats.examples += 1
+                stats.tokens += len(fitted)
+                stats.trained_tokens += fitted.trained_tokens
     return kept, stats
+
+
+def _fitted(
+    example: Example, row: Row, sequence_len: int, excess_length: str, stats: DatasetStats
+) -> Example | None:
+    """`example` within sequence_len as `excess_length` says (None: dropped, counted in `stats`)."""
+    if len(example) > sequence_len:
+        if excess_length == "raise":
+            raise DataError(
+                f"{row.file} row {row.line} is {len(example)} tokens, longer than sequence_len {sequence_len} "
+                "(excess_length_strategy: raise); raise sequence_len, or use `drop` or `truncate`"
+            )
+        if excess_length == "drop":
+            stats.too_long += 1
+            return None
+        example = Example(example.input_ids[:sequence_len], example.labels[:sequence_len])
+        stats.truncated += 1
+    if len(example) < 2 or example.trained_tokens == 0:
+        stats.dropped += 1
+        return None
+    return example
 
 
 def dedupe_shuffle_split(
