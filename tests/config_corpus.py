@@ -28,6 +28,13 @@ def local_copy(data: dict, tmp_path: Path, base_model: str) -> dict:
     data["output_dir"] = str(tmp_path / "run")
     if data.get("dataset_prepared_path"):  # relative to the working directory, as in Axolotl
         data["dataset_prepared_path"] = str(tmp_path / "prepared")
+    if data.get("do_bench_eval"):  # Axolotl's default bench_dataset is a hub file
+        data["bench_dataset"] = str(tmp_path / "bench.jsonl")
+        rows = [
+            {"input": f"{q}\nA. yes\nB. no\nAnswer:", "output": "AB"[i % 2], "subject": "dharma: s"}
+            for i, (q, _, _) in enumerate(QUESTIONS)
+        ]
+        (tmp_path / "bench.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     if isinstance(data.get("pretraining_dataset"), str):
         data["pretraining_dataset"] = str(tmp_path / "pretraining_dataset-0.jsonl")
     for listed in (

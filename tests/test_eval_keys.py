@@ -75,42 +75,49 @@ def test_eval_key_mistakes_are_refused_with_a_sentence(keys, message):
 # -- early stopping and the best checkpoint: HF's rules ------------------------------------------------------
 
 
-def hf_stop_step(losses: list[float], patience: int) -> tuple[int | None, int | None]:
+def hf_stop_step(values: list[float], patience: int, greater: bool) -> tuple[int | None, int | None]:
     """(the evaluation after which HF's Trainer stops, the step of its best metric) for a run evaluated at steps
     1, 2, …: HF's EarlyStoppingCallback (on_evaluate) followed by Trainer._determine_best_metric, in HF's order."""
     callback = EarlyStoppingCallback(early_stopping_patience=patience)
+    name = "bench_total_accuracy" if greater else "loss"
     args = SimpleNamespace(
-        metric_for_best_model="loss",
-        greater_is_better=False,
+        metric_for_best_model=name,
+        greater_is_better=greater,
         load_best_model_at_end=True,
         save_strategy="steps",
     )
     state, control = TrainerState(), TrainerControl()
     trainer = SimpleNamespace(args=args, state=state)
-    for step, loss in enumerate(losses, start=1):
+    for step, value in enumerate(values, start=1):
         state.global_step = step
-        callback.on_evaluate(args, state, control, metrics={"eval_loss": loss})
-        Trainer._determine_best_metric(trainer, {"eval_loss": loss}, None)
+        callback.on_evaluate(args, state, control, metrics={f"eval_{name}": value})
+        Trainer._determine_best_metric(trainer, {f"eval_{name}": value}, None)
         if control.should_training_stop:
             return step, state.best_global_step
     return None, state.best_global_step
 
 
-def our_stop_step(losses: list[float], patience: int) -> tuple[int | None, int | None]:
+def our_stop_step(values: list[float], patience: int, greater: bool) -> tuple[int | None, int | None]:
     best = BestCheckpoint()
-    for step, loss in enumerate(losses, start=1):
-        best.evaluated(step, loss)
+    for step, value in enumerate(values, start=1):
+        best.evaluated(step, value, greater)
         if best.patience_count >= patience:
             return step, best.step
     return None, best.step
 
 
-def test_early_stopping_stops_where_hfs_callback_does():
+@pytest.mark.parametrize("greater", [False, True], ids=["eval_loss", "an accuracy"])
+def test_early_stopping_stops_where_hfs_callback_does(greater):
     generator = random.Random(0)
     for _ in range(300):
-        losses = [round(generator.uniform(0.5, 1.5), 1) for _ in range(generator.randint(1, 12))]  # ties too
+        values = [round(generator.uniform(0.5, 1.5), 1) for _ in range(generator.randint(1, 12))]  # ties too
         patience = generator.randint(1, 4)
-        assert our_stop_step(losses, patience) == hf_stop_step(losses, patience), (losses, patience)
+        assert our_stop_step(values, patience, greater) == hf_stop_step(values, patience, greater), (values, patience)
+
+
+def test_a_best_record_saved_when_only_the_loss_was_compared_restores():
+    saved = {"loss": 1.4, "step": 3, "checkpoint_step": 2, "checkpoint_loss": 1.5, "patience_count": 1}
+    assert BestCheckpoint.restore(saved) == BestCheckpoint(1.4, 3, 2, 1.5, 1)
 
 
 def test_checkpoint_rotation_keeps_the_best_as_hf_does(tmp_path):
@@ -170,9 +177,9 @@ def test_gym_train_stops_early_and_ends_with_the_best_saved_checkpoint(
     assert main(["train", str(path)]) == 0
     printed = capsys.readouterr().out
     assert (
-        "step 6: eval loss 1.4500 not below the best 1.4000 (step 3) for 3 evaluations: stopping" in printed
+        "step 6: eval/loss 1.4500 not below the best 1.4000 (step 3) for 3 evaluations: stopping" in printed
     )
-    assert "loaded checkpoint-2 (eval loss 1.5000, the lowest at a save) as the final weights" in printed
+    assert "loaded checkpoint-2 (eval/loss 1.5000, the best at a save) as the final weights" in printed
     run = tmp_path / "run"
     assert [row["step"] for row in _rows(run) if "loss" in row] == [1, 2, 3, 4, 5, 6]
     # save_total_limit 1 keeps the newest and the best, as HF's rotation does
@@ -182,10 +189,10 @@ def test_gym_train_stops_early_and_ends_with_the_best_saved_checkpoint(
     assert not all(torch.equal(final[k], last[k]) for k in final)
     state = json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["best"] == {
-        "loss": 1.4,
+        "metric": 1.4,
         "step": 3,
         "checkpoint_step": 2,
-        "checkpoint_loss": 1.5,
+        "checkpoint_metric": 1.5,
         "patience_count": 3,
     }
 
@@ -222,7 +229,7 @@ def test_early_stopping_resumes_with_its_count(tmp_path, tiny_base, chat_data, m
         == 0
     )
     printed = capsys.readouterr().out
-    assert "step 6: eval loss 1.4500 not below the best 1.4000 (step 3) for 3 evaluations" in printed
+    assert "step 6: eval/loss 1.4500 not below the best 1.4000 (step 3) for 3 evaluations" in printed
     assert [row["step"] for row in _rows(tmp_path / "run") if "loss" in row] == [1, 2, 3, 4, 5, 6]
 
 

@@ -411,7 +411,9 @@ def test_hf_keys_of_resuming_seeding_and_the_best_checkpoint():
     cfg = parse_minimal(data_seed=7, seed=3)
     assert (cfg.sampler_seed, parse_minimal(seed=3).sampler_seed) == (7, 3)
     parse_minimal(metric_for_best_model="eval_loss", greater_is_better=False)
-    assert "`metric_for_best_model` is 'accuracy'" in refusal_of(metric_for_best_model="accuracy")
+    assert "`accuracy` is not a metric evaluations compute here" in refusal_of(metric_for_best_model="accuracy")
+    assert "measured by do_bench_eval" in refusal_of(metric_for_best_model="eval_bench_total_accuracy")
+    assert parse_minimal(metric_for_best_model="eval_loss").best_metric == "eval/loss"
     assert parse_minimal().ddp_timeout == TrainingArguments(output_dir="x", report_to=[]).ddp_timeout
 
 

@@ -7,6 +7,7 @@ import huggingface_hub
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from datasets import load_dataset
 
 from hanzo_gym.config.splits import Split
 from hanzo_gym.data import sources
@@ -215,7 +216,8 @@ def test_jsonl_row_must_be_an_object(tmp_path):
     [
         ('{"id": 1}', "expected a JSON array of objects, found a JSON object"),
         ('[{"id": 1}, "x"]', "row 2: expected a JSON object, found a JSON string"),
-        ('{"id": 1}\n{"id": 2}\n', "line 2 column 1: invalid JSON (Extra data); if it holds one object per"),
+        ('[{"id": 1}]\n[{"id": 2}]\n', "line 2 column 1: invalid JSON (Extra data)"),
+        ('{"id": 1}\n{"id": 2\n', "line 2: invalid JSON"),
     ],
 )
 def test_json_file_must_be_an_array_of_objects(tmp_path, content, message):
@@ -224,6 +226,14 @@ def test_json_file_must_be_an_array_of_objects(tmp_path, content, message):
     with pytest.raises(DataError) as raised:
         read_rows(str(file))
     assert str(raised.value).startswith(f"{file}") and message in str(raised.value)
+
+
+def test_a_json_file_of_one_object_per_line_reads_as_hfs_json_loader_reads_it(tmp_path):
+    file = tmp_path / "train.json"
+    file.write_text('{"id": 1}\n\n{"id": 2}\n')
+    rows = read_rows(str(file))
+    assert [(row.data, row.line) for row in rows] == [({"id": 1}, 1), ({"id": 2}, 3)]
+    assert [row["id"] for row in load_dataset("json", data_files=str(file), split="train")] == [1, 2]
 
 
 def test_unsupported_file_type(tmp_path):

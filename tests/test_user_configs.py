@@ -30,9 +30,11 @@ NAMES = sorted(
     for p in CONFIGS.iterdir()
     if p.suffix in (".yml", ".yaml") and p.stem not in ("SOURCES", "expected")
 )
-LOADING = [name for name in NAMES if not EXPECTED.get(name)]
+# configs that load but whose run is refused once their tokenizer is read, and the key the refusal names
+REFUSED_AT_RUN = {"pharaouk--jobs--llama70.yml": "tokens"}  # new tokens beside an adapter, no lora_modules_to_save
+LOADING = [name for name in NAMES if not EXPECTED.get(name) and name not in REFUSED_AT_RUN]
 # The share of the corpus that loads may only grow; raise it as features land.
-LOADING_AT_LEAST = 129
+LOADING_AT_LEAST = 132
 
 
 def _read(name: str, tmp_path: Path, base_model: str = "unused") -> tuple[dict, dict]:
@@ -93,7 +95,7 @@ def test_each_config_loads_or_is_refused_naming_each_key_it_cannot_run(name, tmp
 
 
 def test_the_share_of_users_configs_that_loads(capsys):
-    blockers = Counter(key for keys in EXPECTED.values() for key in keys)
+    blockers = Counter([*(key for keys in EXPECTED.values() for key in keys), *REFUSED_AT_RUN.values()])
     with capsys.disabled():
         print(
             f"\nusers' configs: {len(LOADING)} of {len(NAMES)} load, from {len({s['repo'] for s in SOURCES.values()})}"
@@ -163,12 +165,13 @@ def _family(data: dict) -> str:
         *TRAINED_IN_THE_FAST_SUITE,
         *(
             pytest.param(name, marks=pytest.mark.slow)
-            for name in LOADING
+            for name in [*LOADING, *REFUSED_AT_RUN]
             if name not in TRAINED_IN_THE_FAST_SUITE
         ),
     ],
 )
-def test_a_loading_config_trains_two_steps(name, tmp_path, family_bases, monkeypatch):
+def test_a_loading_config_trains_two_steps(name, tmp_path, family_bases, monkeypatch, capsys):
+    """… or, for a config of REFUSED_AT_RUN, is refused before training, naming its key."""
     assert not EXPECTED[name]
     monkeypatch.setenv("WANDB_MODE", "offline")  # the trackers it names log to files, not to a server
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -195,6 +198,9 @@ def test_a_loading_config_trains_two_steps(name, tmp_path, family_bases, monkeyp
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
     code = main(["train", str(path)])
+    if name in REFUSED_AT_RUN:
+        assert code == 2 and f"error: {REFUSED_AT_RUN[name]} " in capsys.readouterr().err
+        return
     assert code == (3 if cfg.hub_model_id else 0)  # 3: the push to the Hub failed, the run is saved
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "loss" in row][-1] == 2

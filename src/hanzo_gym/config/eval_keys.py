@@ -1,8 +1,11 @@
 """Axolotl's keys of what evaluation measures and what it decides: the eval batch size, early stopping and the best
-checkpoint as the final model, generation metrics on the held-out examples, and the debug print of tokenized
-examples; and when to evaluate (`eval_steps` or `evals_per_epoch`)."""
+checkpoint as the final model, generation metrics on the held-out examples, a multiple-choice benchmark
+(`do_bench_eval`), and the debug print of tokenized examples; and when to evaluate (`eval_steps` or
+`evals_per_epoch`)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pydantic import Field, field_validator
 
@@ -12,6 +15,8 @@ from hanzo_gym.config.feature import Feature, StepsOrFraction, zero_means_unset
 DEFAULT_CAUSAL_LM_METRICS = ("sacrebleu", "comet", "ter", "chrf")
 CAUSAL_LM_METRICS = ("sacrebleu", "ter", "chrf", "perplexity")
 EVAL_MAX_NEW_TOKENS = 128  # Axolotl's default completion length of eval predictions
+DEFAULT_BENCH_DATASET = "pharaouk/dharma-1/dharma_1_mini.json"  # Axolotl's (a file of a hub dataset)
+MMLU_BENCH_NAMES = ("mmlu-zs", "mmlu-fs", "mmlu")
 
 
 class EvalKeys(Feature):
@@ -27,6 +32,9 @@ class EvalKeys(Feature):
     eval_causal_lm_metrics: list[str] | None = None
     eval_max_new_tokens: int = Field(EVAL_MAX_NEW_TOKENS, ge=1)  # completion length of eval predictions
     eval_table_size: int = Field(0, ge=0)  # how many eval predictions each evaluation writes out
+    # at each evaluation, accuracy on multiple-choice questions (data/bench.py, loops/bench_eval.py)
+    do_bench_eval: bool = False
+    bench_dataset: str | None = None  # DEFAULT_BENCH_DATASET when unset
     # print the first tokenized training item, each token with its label (data/debug_print.py)
     debug: bool = False
 
@@ -45,6 +53,10 @@ class EvalKeys(Feature):
     @property
     def causal_lm_metrics(self) -> list[str]:
         return list(self.eval_causal_lm_metrics or DEFAULT_CAUSAL_LM_METRICS)
+
+    @property
+    def bench_source(self) -> str:
+        return self.bench_dataset or DEFAULT_BENCH_DATASET
 
     @property
     def generates_at_eval(self) -> bool:
@@ -93,6 +105,7 @@ class EvalKeys(Feature):
                 f"do_causal_lm_eval / eval_table_size complete the prompts of SFT examples; rl: {self.rl} (pairs) "
                 "is not supported yet: remove them"
             )
+        self._check_bench()
         if self.do_causal_lm_eval:
             if "comet" in self.causal_lm_metrics:
                 where = "is in Axolotl's default list" if self.eval_causal_lm_metrics is None else "is listed"
@@ -108,4 +121,25 @@ class EvalKeys(Feature):
         elif self.eval_causal_lm_metrics is not None:
             raise ValueError(
                 "eval_causal_lm_metrics are computed with do_causal_lm_eval: true; set it or remove them"
+            )
+
+    def _check_bench(self) -> None:
+        if not self.do_bench_eval:
+            if self.bench_dataset is not None:
+                raise ValueError("bench_dataset is what do_bench_eval: true scores; set it or remove bench_dataset")
+            return
+        if self.rl is not None:
+            raise ValueError(
+                f"do_bench_eval scores SFT evaluations (Axolotl runs it for SFT only); rl: {self.rl} is not "
+                "supported: remove it"
+            )
+        if not self.holds_out:
+            raise ValueError(
+                "do_bench_eval runs at each evaluation: it needs a held-out set (val_set_size > 0 or test_datasets)"
+            )
+        value = self.bench_source
+        if not (value in MMLU_BENCH_NAMES or Path(value).expanduser().is_file() or len(value.split("/", 2)) == 3):
+            raise ValueError(
+                f"bench_dataset `{value}` is neither a local .json/.jsonl file, nor a hub dataset's file "
+                "(`owner/name/file.json`), nor mmlu-zs / mmlu-fs"
             )

@@ -21,9 +21,10 @@ class TrainerKeys(Feature):
     save_strategy: Literal["no", "steps", "epoch", "best"] | None = None
     eval_strategy: Strategy | None = None
     evaluation_strategy: Strategy | None = None  # HF's name of eval_strategy before transformers 4.46
-    # the metric that picks the best checkpoint: the eval loss is the one evaluations compute for every run
-    metric_for_best_model: Literal["loss", "eval_loss"] | None = None
-    greater_is_better: Literal[False] | None = None
+    # the metric that picks the best checkpoint and stops early: the eval loss unless it names a bench metric
+    # (do_bench_eval's); HF's spelling, `eval_` in front or not
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None  # HF's default: False for a metric whose name ends in `loss`
     # HF's integrations: each tracker named turns on the tracker's use_ key
     report_to: Literal["none", "all", *TRACKERS] | list[Literal["none", "all", *TRACKERS]] | None = None
     logging_dir: str | None = None  # HF's TensorBoard folder
@@ -45,7 +46,19 @@ class TrainerKeys(Feature):
         """False for `eval_strategy: no`: the held-out examples are kept out of training but never scored."""
         return (self.eval_strategy or self.evaluation_strategy) != "no"
 
+    @property
+    def best_metric(self) -> str:
+        """metric_for_best_model as the eval row names it: `eval/loss`, `eval/bench_total_accuracy`."""
+        return "eval/" + (self.metric_for_best_model or "loss").removeprefix("eval_").removeprefix("eval/")
+
+    @property
+    def best_is_greater(self) -> bool:
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return not self.best_metric.endswith("loss")
+
     def check(self) -> None:
+        self._check_best_metric()
         if self.eval_strategy and self.evaluation_strategy and self.eval_strategy != self.evaluation_strategy:
             raise ValueError(
                 f"eval_strategy: {self.eval_strategy} and evaluation_strategy (its older name): "
@@ -56,11 +69,15 @@ class TrainerKeys(Feature):
         self._resolve_report_to()
         if self.auto_resume_from_checkpoints and self.resume_from_checkpoint is None:
             self.resume_from_checkpoint = True
-        if not self.evaluates and self.do_causal_lm_eval:  # what it measures is never run, in Axolotl too
-            written = ["do_causal_lm_eval"] + (
-                ["eval_causal_lm_metrics"] if self.eval_causal_lm_metrics else []
-            )
-            self.do_causal_lm_eval, self.eval_causal_lm_metrics = False, None
+        # what they measure is never run, in Axolotl too
+        written = [
+            key
+            for key in ("do_causal_lm_eval", "eval_causal_lm_metrics", "do_bench_eval", "bench_dataset")
+            if getattr(self, key)
+        ]
+        if not self.evaluates and written:
+            self.do_causal_lm_eval = self.do_bench_eval = False
+            self.eval_causal_lm_metrics = self.bench_dataset = None
             self._unevaluated.append(
                 f"{', '.join(written)}: changes nothing here: eval_strategy: no turns evaluations off"
             )
@@ -74,6 +91,27 @@ class TrainerKeys(Feature):
 
     def notes(self) -> list[str]:
         return list(self._unevaluated)
+
+    def _check_best_metric(self) -> None:
+        if self.metric_for_best_model is None:
+            return
+        name = self.best_metric.removeprefix("eval/")
+        if name == "loss":
+            return
+        bench = name in ("bench_loss", "bench_total_accuracy", "bench_average_accuracy") or name.startswith(
+            "bench_accuracy_"
+        )
+        if not bench:
+            raise ValueError(
+                f"metric_for_best_model: `{self.metric_for_best_model}` is not a metric evaluations compute here; "
+                "use eval_loss, or with do_bench_eval eval_bench_total_accuracy, eval_bench_average_accuracy, "
+                "eval_bench_loss or eval_bench_accuracy_<group>"
+            )
+        if not self.do_bench_eval:
+            raise ValueError(
+                f"metric_for_best_model: `{self.metric_for_best_model}` is measured by do_bench_eval: set "
+                "do_bench_eval: true or pick eval_loss"
+            )
 
     def _resolve_save_strategy(self) -> None:
         if self.save_strategy == "best":

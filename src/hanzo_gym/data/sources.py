@@ -445,10 +445,10 @@ def _read_json_array(local: Path, label: str) -> list[Row]:
     except RecursionError:
         raise DataError(f"{label}: {_TOO_DEEP}") from None
     except json.JSONDecodeError as error:
-        hint = "; if it holds one object per line, rename it to .jsonl" if error.msg == "Extra data" else ""
-        raise DataError(
-            f"{label} line {error.lineno} column {error.colno}: invalid JSON ({error.msg}){hint}"
-        ) from None
+        if error.msg == "Extra data" and local.read_bytes().lstrip(codecs.BOM_UTF8).lstrip()[:1] == b"{":
+            # one object per line: HF's json loader (and so Axolotl) reads a .json file of JSON lines too
+            return _read_jsonl(local, label)
+        raise DataError(f"{label} line {error.lineno} column {error.colno}: invalid JSON ({error.msg})") from None
     if not isinstance(data, list):
         raise DataError(
             f"{label}: expected a JSON array of objects, found a JSON {_json_kind(data)}; "

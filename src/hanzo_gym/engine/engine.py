@@ -27,7 +27,7 @@ from hanzo_gym.engine.optimizers import OptimizerFactory, plain_adamw, state_as_
 from hanzo_gym.engine.prefix_sharing import shared_layout
 from hanzo_gym.engine.row_buckets import bucket_length, pads_rows
 from hanzo_gym.engine.sampling import sample_groups
-from hanzo_gym.engine.token_logprobs import token_logprobs, token_logprobs_with_log_sum_sq
+from hanzo_gym.engine.token_logprobs import choice_logprobs, token_logprobs, token_logprobs_with_log_sum_sq
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.decoder import decoder_of
 from hanzo_gym.model.lora import adapter_weights, set_adapter_weights
@@ -145,6 +145,28 @@ class Engine:
                 for name, per_datum in extras.items():
                     per_datum.extend(values[name].cpu().split(lengths))
         return logprobs, extras
+
+    def forward_choices(
+        self, datums: list[Datum], choices: Sequence[int], at: Sequence[int]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`forward` scored from `at` (per datum, a position), and `[D, C]`: the log-probability of each token
+        of `choices` as the next token after datum d's position `at[d]` (a multiple-choice answer, ranked over
+        the whole vocabulary's softmax), from the same pass."""
+        check_datums(datums)
+        if any(not 0 <= a < len(d) for d, a in zip(datums, at, strict=True)):
+            raise GymError("forward_choices: each `at` must be a position of its datum")
+        choices_C = torch.tensor(list(choices), dtype=torch.long, device=self.device)
+        logprobs: list[torch.Tensor] = []
+        picked: list[torch.Tensor] = []
+        with self._scoring():
+            for group, firsts in self._passes_with(datums, at):
+                lengths = [len(d) for d in group]
+                logprobs_N, values = self._packed_logprobs(group, scored_from=firsts, choices=choices_C)
+                logprobs.extend(logprobs_N.cpu().split(lengths))
+                # the scored rows of each datum run from its `at` to its end: the first is the one asked
+                starts = torch.tensor([0, *(n - a for n, a in zip(lengths, firsts))]).cumsum(0)[:-1]
+                picked.append(values["choices"].cpu()[starts])
+        return logprobs, torch.cat(picked) if picked else torch.empty(0, len(choices_C))
 
     def forward_loss(
         self, datums: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
@@ -414,12 +436,17 @@ class Engine:
         return torch.cat([_as_tensor(d.loss_fn_inputs[key], dtype, len(d)) for d in datums]).to(self.device)
 
     def _packed_logprobs(
-        self, datums: list[Datum], log_sum_sq_probs: bool = False, scored_from: Sequence[int] | None = None
+        self,
+        datums: list[Datum],
+        log_sum_sq_probs: bool = False,
+        scored_from: Sequence[int] | None = None,
+        choices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
         blocks that never cross datums (it infers them only when no cache is passed). The log-probabilities
         `[N]` and, by name, the per-position `entropy` (and `log_sum_sq_probs` when asked); with
-        `scored_from`, 0 before each datum's first scored position, where no logits are computed."""
+        `scored_from`, 0 before each datum's first scored position, where no logits are computed. With
+        `choices`, also `choices`: `[M, C]` log-probabilities of those tokens at the M scored positions only."""
         offloading = self.activation_offloading and torch.is_grad_enabled()
         offload = (
             HostOffload(pin_memory=self.device.type == "cuda") if offloading else contextlib.nullcontext()
@@ -444,9 +471,15 @@ class Engine:
         else:
             logprobs, entropy = token_logprobs(hidden, weight, targets, self.logprob_chunk)
             values = {"entropy": entropy}
+        at_choices = {}
+        if choices is not None:
+            at_choices["choices"] = choice_logprobs(hidden, weight, choices, self.logprob_chunk)
         if scored is None:
-            return logprobs, values
-        return _at_positions(logprobs, scored), {k: _at_positions(v, scored) for k, v in values.items()}
+            return logprobs, {**values, **at_choices}
+        return _at_positions(logprobs, scored), {
+            **{k: _at_positions(v, scored) for k, v in values.items()},
+            **at_choices,
+        }
 
     def _packed_hidden(self, datums: list[Datum], scored: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's last hidden states `[N, H]` of all datums' positions, one packed row (padded to a

@@ -106,6 +106,20 @@ def token_logprobs_with_log_sum_sq(
     return _ChunkedTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk, True)
 
 
+def choice_logprobs(
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, choices_C: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
+    """`[N, C]` fp32: log softmax(hidden @ weightᵀ) at each position, read at the `choices` tokens only (the
+    answers of a multiple-choice question); not differentiable."""
+    chunk = chunk or chunk_rows(weight_VH.shape[0])
+    out_NC = torch.empty((hidden_NH.shape[0], choices_C.numel()), dtype=torch.float32, device=hidden_NH.device)
+    with torch.no_grad():
+        for start in range(0, hidden_NH.shape[0], chunk):
+            logits = (hidden_NH[start : start + chunk] @ weight_VH.T).float()
+            out_NC[start : start + chunk] = logits[:, choices_C] - logits.logsumexp(-1, keepdim=True)
+    return out_NC
+
+
 def plain_output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """The decoder and the output projection when the logits are just `hidden @ Wᵀ` (no bias, no scaling or
     capping), so a caller may apply the projection itself; None when only the model's own forward can."""

@@ -26,9 +26,11 @@ from hanzo_gym.data.batching import (
     padding_datum,
     supervised_datum,
 )
+from hanzo_gym.data.bench import BenchQuestion
 from hanzo_gym.data.example import Example
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine.distributed import shard, sum_across, world_size
+from hanzo_gym.loops.bench_eval import bench_scores
 from hanzo_gym.loops.checkpoint import adapter_fingerprint
 from hanzo_gym.loops.generation_eval import GenerationEval
 from hanzo_gym.loops.run_dir import RunDir
@@ -129,9 +131,16 @@ def first_trained(datums: list[Datum]) -> list[int]:
 
 
 def _evaluation(
-    engine: Engine, cfg: Config, val: list[Example], run: RunDir, pack_to: int | None, pad_to: int | None
+    engine: Engine,
+    cfg: Config,
+    val: list[Example],
+    run: RunDir,
+    pack_to: int | None,
+    pad_to: int | None,
+    bench: list[BenchQuestion] | None,
 ) -> Callable[[int], dict[str, float]]:
-    """The eval loss, and with do_causal_lm_eval / eval_table_size the held-out completions (loops/generation_eval.py)."""
+    """The eval loss, with do_causal_lm_eval / eval_table_size the held-out completions (loops/generation_eval.py),
+    with do_bench_eval the benchmark's accuracy (loops/bench_eval.py)."""
     batch = cfg.eval_micro_batch_size
 
     def mean_nll(examples: list[Example]) -> float:
@@ -140,7 +149,11 @@ def _evaluation(
     generation = GenerationEval(engine, cfg, val, run.log_predictions) if cfg.generates_at_eval else None
 
     def scores(step: int) -> dict[str, float]:
-        return {"eval/loss": mean_nll(val), **(generation(step, mean_nll) if generation else {})}
+        return {
+            "eval/loss": mean_nll(val),
+            **(generation(step, mean_nll) if generation else {}),
+            **(bench_scores(engine, bench, batch) if bench else {}),
+        }
 
     return scores
 
@@ -152,7 +165,9 @@ def train_sft(
     val: list[Example],
     run: RunDir,
     resume_from: Path | None = None,
+    bench: list[BenchQuestion] | None = None,
 ) -> SftResult:
+    """`bench`: do_bench_eval's questions (data/bench.py), scored at each evaluation."""
     total, epochs = planned_steps(cfg, len(_windows(cfg, train, 0)))  # max_steps: as long as it says
     pad_to = cfg.sequence_len if cfg.pad_to_sequence_len else None
     pad_id = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
@@ -165,7 +180,7 @@ def train_sft(
         _plan_fingerprint(cfg, train),
         total,
         resume_from,
-        evaluate=_evaluation(engine, cfg, val, run, eval_pack, pad_to) if val else None,
+        evaluate=_evaluation(engine, cfg, val, run, eval_pack, pad_to, bench) if val else None,
         row=_logged_row,
         line=lambda row: (
             f"step {row['step']}/{total} loss {row['loss']:.4f} lr {row['lr']:.3e} "

@@ -17,12 +17,13 @@ stops there as a finished run (its last row logged, evaluated, the adapter writt
 on resume.
 
 Early stopping and the best checkpoint are HF's rules, which Axolotl's `early_stopping_patience` and
-`load_best_model_at_end` turn on: after each evaluation of the trained model (not the step-0 score of the base
-model, which HF never takes), an eval loss that is not below the best so far counts, a lower one resets the count;
+`load_best_model_at_end` turn on, over `metric_for_best_model` (the eval loss unless it names another, lower
+is better unless `greater_is_better`): after each evaluation of the trained model (not the step-0 score of the
+base model, which HF never takes), a metric no better than the best so far counts, a better one resets the count;
 at `patience` the run stops there as a finished run. The best checkpoint is the newest save whose step had the
-lowest eval loss seen at that save; when saves fall on evaluations (save steps a multiple of eval steps) and
+best metric seen at that save; when saves fall on evaluations (save steps a multiple of eval steps) and
 either key is set, the run ends with that checkpoint's weights as its final adapter, and `save_total_limit`
-never removes it. Count, best loss and best checkpoint travel inside checkpoints.
+never removes it. Count, best metric and best checkpoint travel inside checkpoints.
 """
 
 from __future__ import annotations
@@ -142,21 +143,28 @@ class StepPlace:
 class BestCheckpoint:
     """HF's TrainerState best_metric / best_global_step / best_model_checkpoint, and its early-stopping count."""
 
-    loss: float | None = None  # the lowest eval loss so far
+    metric: float | None = None  # the best value of metric_for_best_model so far
     step: int | None = None  # where it was measured
     checkpoint_step: int | None = None  # the newest saved checkpoint at such a step
-    checkpoint_loss: float | None = None  # its eval loss
-    patience_count: int = 0  # evaluations in a row without a lower eval loss
+    checkpoint_metric: float | None = None  # its value there
+    patience_count: int = 0  # evaluations in a row without a better value
 
-    def evaluated(self, step: int, loss: float) -> None:
-        if self.loss is None or loss < self.loss:
-            self.loss, self.step, self.patience_count = loss, step, 0
+    @classmethod
+    def restore(cls, saved: dict) -> BestCheckpoint:
+        """From a checkpoint's record; one written when only the eval loss was compared calls it `loss`."""
+        older = {"loss": "metric", "checkpoint_loss": "checkpoint_metric"}
+        return cls(**{older.get(key, key): value for key, value in saved.items()})
+
+    def evaluated(self, step: int, value: float, greater_is_better: bool) -> None:
+        better = self.metric is None or (value > self.metric if greater_is_better else value < self.metric)
+        if better:
+            self.metric, self.step, self.patience_count = value, step, 0
         else:
             self.patience_count += 1
 
     def saved(self, step: int) -> None:
         if self.step == step:
-            self.checkpoint_step, self.checkpoint_loss = step, self.loss
+            self.checkpoint_step, self.checkpoint_metric = step, self.metric
 
 
 class LoopTail:
@@ -191,7 +199,7 @@ class LoopTail:
         self.save_every = _every(cfg.save_steps, cfg.saves_per_epoch, total, cfg.num_epochs)
         self.last_eval: dict[str, float] | None = None
         self.stopped = False  # the loss watchdog or early stopping ended the run early
-        self.best = BestCheckpoint(**self.position.best)
+        self.best = BestCheckpoint.restore(self.position.best)
         self.keeps_best = bool(
             (cfg.load_best_model_at_end or cfg.early_stopping_patience)
             and self.eval_every
@@ -243,18 +251,20 @@ class LoopTail:
         self.say(f"eval step {self.step} epoch {epoch_progress:.2f} {scores}")
         self.last_eval = result
         self._logged_loss = None  # the newest row is now an eval row, which HF's watchdog passes over
-        if self.step > 0 and "eval/loss" in result:
-            self._stop_early(result["eval/loss"])
+        if self.step > 0 and self.cfg.best_metric in result:
+            self._stop_early(result[self.cfg.best_metric])
         return result
 
-    def _stop_early(self, loss: float) -> None:
-        self.best.evaluated(self.step, loss)
-        patience = self.cfg.early_stopping_patience
+    def _stop_early(self, value: float) -> None:
+        cfg = self.cfg
+        self.best.evaluated(self.step, value, cfg.best_is_greater)
+        patience = cfg.early_stopping_patience
         if patience is not None and self.best.patience_count >= patience and not self.done:
             self.stopped = True
             self.say(
-                f"step {self.step}: eval loss {loss:.4f} not below the best {self.best.loss:.4f} (step "
-                f"{self.best.step}) for {patience} evaluations: stopping the run here (early_stopping_patience)"
+                f"step {self.step}: {cfg.best_metric} {value:.4f} not {'above' if cfg.best_is_greater else 'below'} "
+                f"the best {self.best.metric:.4f} (step {self.best.step}) for {patience} evaluations: stopping the "
+                "run here (early_stopping_patience)"
             )
 
     def finish_step(self, values: dict[str, float], place: StepPlace) -> None:
@@ -304,6 +314,6 @@ class LoopTail:
         if self.keeps_best and step is not None and step != self.step:
             load_engine_state(self.engine, self.run.checkpoint_path(step))
             self.say(
-                f"loaded checkpoint-{step} (eval loss {self.best.checkpoint_loss:.4f}, the lowest at a save) as the final "
-                "weights (load_best_model_at_end)"
+                f"loaded checkpoint-{step} ({self.cfg.best_metric} {self.best.checkpoint_metric:.4f}, the best at a "
+                "save) as the final weights (load_best_model_at_end)"
             )

@@ -13,6 +13,7 @@ from hanzo_gym.config import Config
 from hanzo_gym.config.feature import feature_notes
 from hanzo_gym.config.preference_keys import PREFERENCE_METHODS
 from hanzo_gym.config.sharding_keys import sharding_refusal
+from hanzo_gym.data.bench import bench_questions, bench_rows
 from hanzo_gym.data.dataset import excess_length_note, load_examples
 from hanzo_gym.data.debug_print import describe_item
 from hanzo_gym.data.preference import load_preferences
@@ -283,6 +284,8 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
         "tokenizer_type", cfg.tokenizer_type, tokenizer, cfg.tokenizer_config or cfg.base_model
     )
     data, what = training_data(cfg, tokenizer, plan.source)
+    # read before the model loads, so that a wrong bench_dataset costs no wait
+    bench = bench_questions(bench_rows(cfg.bench_source), tokenizer) if cfg.do_bench_eval else None
     engine = build_engine(cfg, plan, tokenizer)
     broadcast_parameters(engine.trainable)  # every process starts from rank 0's adapter
     run = RunDir(cfg.output_dir, full_model=cfg.full_fine_tuning)
@@ -311,7 +314,8 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
     try:
         run.trackers = open_trackers(cfg, engine.model)  # W&B / TensorBoard / MLflow, main process only
         hub = start_hub_push(cfg, run.path, tokenizer, run.trackers)  # hub_model_id: a push at each save too
-        result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_from)
+        extra = {"bench": bench} if bench else {}
+        result = loop(engine, cfg, data.train, data.val, run, resume_from=resume_from, **extra)
         check_finite_adapter(engine, result.steps, cfg)
         if adapter_dir is not None:
             run.finish()
