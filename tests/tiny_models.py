@@ -7,6 +7,7 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -37,6 +38,8 @@ def tiny_config(kind: str = "llama", **overrides):
         return Qwen2Config(**common)
     if kind == "mistral":
         return MistralConfig(head_dim=8, **common)
+    if kind == "mixtral":  # four experts of which each token takes two
+        return MixtralConfig(head_dim=8, num_local_experts=4, num_experts_per_tok=2, **common)
     if kind == "qwen3_moe":  # four experts of which each token takes two; stored as 3-D expert tensors
         return Qwen3MoeConfig(
             head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **common

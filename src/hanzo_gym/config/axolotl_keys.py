@@ -64,7 +64,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("tensor_parallel_size", "tensor parallelism over GPUs"),
             ("dp_shard_size", "sharded data parallelism (FSDP)"),
             ("dp_replicate_size", "replicated data parallelism groups"),
-            ("model_config", "overrides of the model's config"),
             ("local_rank", "the process's GPU index (set by the launcher)"),
             ("s2_attention", "LongLoRA's shifted-sparse attention, which Axolotl no longer supports either"),
             ("accelerator_config", "Accelerate's settings"),

@@ -34,6 +34,7 @@ from hanzo_gym.config.hub_keys import HubKeys
 from hanzo_gym.config.inert_keys import InertKeys
 from hanzo_gym.config.kernel_keys import KernelKeys
 from hanzo_gym.config.memory_keys import MemoryKeys
+from hanzo_gym.config.model_overrides_keys import ModelOverridesKeys
 from hanzo_gym.config.model_quantization_keys import ModelQuantizationKeys
 from hanzo_gym.config.older_axolotl_keys import OlderAxolotlKeys
 from hanzo_gym.config.peft_keys import PeftKeys
@@ -66,6 +67,7 @@ class Config(
     MemoryKeys,
     PrecisionKeys,
     ModelQuantizationKeys,
+    ModelOverridesKeys,
     DatasetKeys,
     AdapterKeys,
     ScheduleKeys,

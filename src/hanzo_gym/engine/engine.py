@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class Engine:
             raise GymError(f"{config.model_type}: output logits with `{scaled[0]}` are not supported yet")
         self._decoder = decoder_of(causal_lm)
         self._causal_lm = causal_lm
+        self._router_loss = router_balance_loss_of(causal_lm)
         self.packs_datums = self._pads_rows = False  # the check below scores on the plain path
         self.packs_datums = self._packing_is_exact()
         self._pads_rows = self.packs_datums and pads_rows(self._decoder, self.device, self.autocast_dtype)
@@ -110,6 +112,11 @@ class Engine:
                 f"{config.model_type} does not keep packed sequences apart: one datum per pass (slower)",
                 stacklevel=2,
             )
+
+    @property
+    def routes_experts(self) -> bool:
+        """Whether training adds a mixture of experts' router load-balancing loss (`output_router_logits`)."""
+        return self._router_loss is not None
 
     @property
     def trainable_parameter_count(self) -> int:
@@ -210,14 +217,19 @@ class Engine:
         self.model.train()
         logprobs: list[torch.Tensor] = []
         extras: dict[str, list[torch.Tensor]] = {name: [] for name in _checked_outputs(outputs)}
+        router_aux: list[torch.Tensor] = []
         for group, firsts in self._passes_with(datums, scored_from):
             lengths = [len(d) for d in group]
             logprobs_N, values = self._packed_logprobs(group, "log_sum_sq_probs" in extras, firsts)
             logprobs.extend(logprobs_N.split(lengths))
             for name, per_datum in extras.items():
                 per_datum.extend(values[name].split(lengths))
+            if "router_aux_loss" in values:
+                router_aux.append(values["router_aux_loss"])
         loss, metrics = loss_fn(logprobs, **extras)
-        self._backward(loss)
+        if router_aux:
+            metrics = {**metrics, "router_aux_loss": float(sum(aux.item() for aux in router_aux))}
+        self._backward(loss + sum(router_aux))
         return loss.item(), metrics
 
     def _scored_passes(
@@ -232,7 +244,7 @@ class Engine:
             raise GymError(f"unknown loss_fn `{loss_fn}`; choose one of {', '.join(LOSS_FNS)}")
         check_datums(datums)
         check_loss_inputs(datums, loss_fn)
-        loss_sum = 0.0
+        loss_sum = router_sum = 0.0
         logprobs: list[torch.Tensor] = []
         entropies: list[torch.Tensor] = []
         # Losses are token-level sums, so pass-by-pass backwards accumulate exactly the whole batch's gradient.
@@ -242,15 +254,18 @@ class Engine:
             logprobs_N, values = self._packed_logprobs(group, scored_from=firsts)
             entropy_N = values["entropy"]
             loss = LOSS_FNS[loss_fn](logprobs_N, inputs, loss_fn_config or {})
+            if "router_aux_loss" in values:
+                router_sum += values["router_aux_loss"].item()
             if backward:
-                self._backward(loss)
+                self._backward(loss + values.get("router_aux_loss", 0.0))
             loss_sum += loss.item()
             lengths = [len(d) for d in group]
             logprobs.extend(logprobs_N.detach().cpu().split(lengths))
             entropies.extend(entropy_N.cpu().split(lengths))
-        return ForwardBackwardOutput(
-            loss_sum=loss_sum, logprobs=logprobs, metrics={"loss:sum": loss_sum}, entropies=entropies
-        )
+        metrics = {"loss:sum": loss_sum}
+        if self._router_loss is not None and backward:
+            metrics["router_aux_loss:sum"] = router_sum
+        return ForwardBackwardOutput(loss_sum=loss_sum, logprobs=logprobs, metrics=metrics, entropies=entropies)
 
     def _backward(self, loss: torch.Tensor) -> None:
         (loss if self.loss_scaler is None else self.loss_scaler.scale(loss)).backward()
@@ -457,7 +472,7 @@ class Engine:
         )
         scored = _scored_positions(datums, scored_from, self.device) if scored_from is not None else None
         with offload, autocast:
-            hidden = self._packed_hidden(datums, scored)
+            hidden, router_aux = self._packed_hidden(datums, scored)
         targets = self._concat(datums, "target_tokens", torch.long)
         if scored is not None:
             targets = targets[scored]
@@ -471,7 +486,7 @@ class Engine:
         else:
             logprobs, entropy = token_logprobs(hidden, weight, targets, self.logprob_chunk)
             values = {"entropy": entropy}
-        at_choices = {}
+        at_choices = {} if router_aux is None else {"router_aux_loss": router_aux}
         if choices is not None:
             at_choices["choices"] = choice_logprobs(hidden, weight, choices, self.logprob_chunk)
         if scored is None:
@@ -481,10 +496,15 @@ class Engine:
             **at_choices,
         }
 
-    def _packed_hidden(self, datums: list[Datum], scored: torch.Tensor | None = None) -> torch.Tensor:
+    def _packed_hidden(
+        self, datums: list[Datum], scored: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder's last hidden states `[N, H]` of all datums' positions, one packed row (padded to a
         bucket length on a CPU in bf16 or fp16, engine/row_buckets.py); only the `scored` ones `[N]` (bool)
-        when given."""
+        when given. When training a mixture of experts whose config has `output_router_logits`, also the
+        router's load-balancing loss over the datums' tokens, times `router_aux_loss_coef` (else None)."""
+        router = self._router_loss if torch.is_grad_enabled() else None
+        routed = {"output_router_logits": True} if router is not None else {}
         inputs = [d.model_input.to_ints() for d in datums]
         shared = shared_layout(inputs, self.device) if self.packs_datums else None
         row = len(shared.tokens) if shared is not None else sum(len(tokens) for tokens in inputs)
@@ -497,19 +517,30 @@ class Engine:
                 position_ids=torch.cat([shared.positions, pad_positions])[None],
                 attention_mask=torch.block_diag(shared.mask, causal)[None, None],
                 use_cache=False,
+                **routed,
             )
             index = shared.index if scored is None else shared.index[scored]
-            return output.last_hidden_state[0].index_select(0, index)
+            # a shared prefix's token stands for every datum that holds it, as in a padded batch
+            counts = torch.bincount(shared.index, minlength=len(shared.tokens) + padding).float()
+            aux = router(output.router_logits, counts[None]) if router is not None else None
+            return output.last_hidden_state[0].index_select(0, index), aux
         tokens = torch.tensor([t for tokens in inputs for t in tokens] + [0] * padding, device=self.device)
         # Packed datums restart their positions, and the pad tokens with them: a datum of their own. A lone
         # unpadded datum takes the model's own default positions (some, like OPT, offset them internally).
         positions = torch.cat([*(torch.arange(len(t), device=self.device) for t in inputs), pad_positions])
         restarts = len(inputs) > 1 or padding > 0
         output = self._decoder(
-            input_ids=tokens[None], position_ids=positions[None] if restarts else None, use_cache=False
+            input_ids=tokens[None],
+            position_ids=positions[None] if restarts else None,
+            use_cache=False,
+            **routed,
         )
         hidden = output.last_hidden_state[0, :row]
-        return hidden if scored is None else hidden[scored]
+        aux = None
+        if router is not None:
+            real = torch.cat([torch.ones(row, device=self.device), torch.zeros(padding, device=self.device)])
+            aux = router(output.router_logits, real[None])
+        return (hidden if scored is None else hidden[scored]), aux
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Clip (when asked), take one AdamW step with these parameters, and clear the gradients.
@@ -580,6 +611,25 @@ def mixed_precision_dtype(model: torch.nn.Module) -> torch.dtype | None:
     )
     adapter = any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     return base if base in (torch.bfloat16, torch.float16) and adapter else None
+
+
+def router_balance_loss_of(causal_lm: torch.nn.Module) -> Callable | None:
+    """For a mixture of experts whose config has `output_router_logits`: `(router_logits, token_weights) →`
+    `router_aux_loss_coef` × the load-balancing loss, computed by the model's own module's
+    `load_balancing_loss_func` (what its forward adds to the loss); None otherwise. GymError for a model whose
+    module has no such function, where the key would do nothing."""
+    if not getattr(causal_lm.config, "output_router_logits", False):
+        return None
+    module = sys.modules[type(causal_lm).__module__]
+    balance = getattr(module, "load_balancing_loss_func", None)
+    experts, top_k = getattr(causal_lm, "num_experts", None), getattr(causal_lm, "num_experts_per_tok", None)
+    if balance is None or experts is None or top_k is None:
+        raise GymError(
+            f"model_config.output_router_logits: {causal_lm.config.model_type} has no router load-balancing loss "
+            "here (it is for mixture-of-experts models such as Mixtral and Qwen3-MoE); remove it"
+        )
+    coef = float(getattr(causal_lm, "router_aux_loss_coef", causal_lm.config.router_aux_loss_coef))
+    return lambda router_logits, weights: coef * balance(router_logits, experts, top_k, weights)
 
 
 def _scored_positions(datums: list[Datum], scored_from: Sequence[int], device: torch.device) -> torch.Tensor:

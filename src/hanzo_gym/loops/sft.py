@@ -195,15 +195,16 @@ def train_sft(
             window = windows[index]
             window_started = time.perf_counter()
             trained = sum(train[i].trained_tokens for batch in window for i in batch)  # all processes'
-            window_nll = window_tokens = 0.0
+            window_nll = window_tokens = router_aux = 0.0
             for batch in shard(window) if trained else []:
                 datums = batch_datums(
                     [train[i] for i in batch], 1.0 / trained, pad_to, cfg.sample_packing, pad_id
                 )
                 scored = engine.forward_backward(datums, "cross_entropy", scored_from=first_trained(datums))
                 window_nll += scored.loss_sum * trained
+                router_aux += scored.metrics.get("router_aux_loss:sum", 0.0)
                 window_tokens += sum(len(train[i]) for i in batch)
-            window_nll, window_tokens = sum_across(window_nll, window_tokens)
+            window_nll, window_tokens, router_aux = sum_across(window_nll, window_tokens, router_aux)
             adam = adam_params(cfg, tail.step, total)
             stats = engine.optim_step(adam)
             values = {
@@ -213,6 +214,8 @@ def train_sft(
                 "seconds": time.perf_counter() - window_started,  # training time only: no evals or saves
                 "lr": adam.learning_rate,
                 "grad_norm": stats["grad_norm"],
+                # model_config.output_router_logits: the router loss this step added, all processes'
+                **({"router_aux_loss": router_aux} if engine.routes_experts else {}),
             }
             tail.finish_step(values, StepPlace(epoch, index, len(windows)))
         if tail.done:
@@ -232,4 +235,5 @@ def _logged_row(window: StepWindow) -> dict[str, float]:
         "tokens": int(sums["tokens"]),
         "trained_tokens": int(sums["trained"]),
         "tokens_per_s": sums["tokens"] / max(sums["seconds"], 1e-9),
+        **({"router_aux_loss": window.means()["router_aux_loss"]} if "router_aux_loss" in sums else {}),
     }

@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import huggingface_hub
@@ -245,6 +246,8 @@ class BaseModelPlan:
     attention: str | None = None
     experts_implementation: str | None = None
     linearized_llama4_experts: bool = False
+    # Axolotl's model_config: fields of the model's config set before the weights load (see checked_overrides)
+    config_overrides: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(
@@ -385,12 +388,15 @@ def load_causal_lm(plan: BaseModelPlan) -> transformers.PreTrainedModel:
     `model_quantization_config: Mxfp4Config` and its kwargs) reads an MXFP4 checkpoint (gpt-oss's),
     dequantizing its experts to the dtype as they load. `linearized_llama4_experts` (Axolotl's
     `llama4_linearized_experts`) gives Llama 4's routed experts one linear layer per expert and projection,
-    which a 4- or 8-bit base then holds quantized (model/llama4_experts.py)."""
+    which a 4- or 8-bit base then holds quantized (model/llama4_experts.py). `config_overrides` are set on the
+    model's config first."""
     source, dtype, device, quantization = plan.source, plan.dtype, plan.device, plan.quantization
     base_model, model_dir = source.base_model, source.directory
     _check_causal_lm_architecture(source)
     return_large_frees_to_the_system()  # from the load on: its converted tensors' buffers, then each step's
     placement = _placement(plan)
+    if plan.config_overrides:
+        placement["config"] = checked_overrides(source, plan.config_overrides)
     quantized = quantization.bits is not None
     linearized_layout = plan.linearized_llama4_experts and _linearized_llama4(source)
     try:
@@ -424,6 +430,24 @@ def load_causal_lm(plan: BaseModelPlan) -> transformers.PreTrainedModel:
             f"could not load the weights of base_model `{base_model}` from {model_dir}: {error}. "
             "The directory needs config.json plus model.safetensors (or sharded *.safetensors with an index)."
         ) from error
+
+
+def checked_overrides(
+    source: ModelSource, overrides: tuple[tuple[str, Any], ...]
+) -> transformers.PretrainedConfig:
+    """The model's config with `overrides` set, as Axolotl sets them; ModelError for a key its config class
+    does not have (a setting of another model, or a misspelling), before anything loads."""
+    config = transformers.AutoConfig.from_pretrained(
+        source.directory, trust_remote_code=source.trust_remote_code
+    )
+    for key, value in overrides:
+        if not hasattr(config, key):
+            raise ModelError(
+                f"model_config.{key}: base_model `{source.base_model}`'s config ({type(config).__name__}) has no "
+                f"`{key}`; give a field of its config.json or of its config class"
+            )
+        setattr(config, key, value)
+    return config
 
 
 def _placement(plan: BaseModelPlan) -> dict:

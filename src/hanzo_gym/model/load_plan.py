@@ -11,7 +11,7 @@ import torch
 
 from hanzo_gym.config.kernel_keys import kernel_notes, transformers_experts_implementation
 from hanzo_gym.config.model_quantization_keys import model_quantization
-from hanzo_gym.model.hub import BaseModelPlan, ModelSource, Quantization
+from hanzo_gym.model.hub import BaseModelPlan, ModelSource, Quantization, checked_overrides
 from hanzo_gym.model.loader_keys import attention_kernel, skip_move_note
 
 if TYPE_CHECKING:
@@ -113,7 +113,10 @@ class LoadPlan:
             attention=attention,
             experts_implementation=transformers_experts_implementation(cfg),
             linearized_llama4_experts=cfg.llama4_linearized_experts,
+            config_overrides=cfg.model_config_overrides,
         )
+        if base.config_overrides:
+            checked_overrides(base.source, base.config_overrides)  # a wrong key fails before anything loads
         notes = (attention_note, skip_move_note(cfg.experimental_skip_move_to_device), *kernel_notes(cfg))
         return cls(
             base=base,
