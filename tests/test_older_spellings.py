@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 from config_files import parse_minimal, refusal_of, write_tiny_run
 from conftest import _package_dir
 from transformers import TrainerState, TrainingArguments
@@ -636,3 +637,38 @@ def test_optim_args_change_nothing_for_adamw_as_in_hfs_trainer(optim, tmp_path):
     assert "optim_args: changes nothing here: HF's Trainer hands optim_args only to the optimizers" in notes
     assert "ddp: changes nothing here" in notes and "max_memory: changes nothing here" in notes
     assert cfg.adam_epsilon == 1e-8
+
+
+def _transformers4_adamw_step(p, grad, m, v, step, lr, betas, eps):
+    """One step of transformers 4's own AdamW (`optim: adamw_hf`, correct_bias=True, no weight decay), as it
+    was written there."""
+    m.mul_(betas[0]).add_(grad, alpha=1 - betas[0])
+    v.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+    size = lr * math.sqrt(1 - betas[1] ** step) / (1 - betas[0] ** step)
+    p.addcdiv_(m, v.sqrt().add_(eps), value=-size)
+
+
+def test_adamw_hf_runs_as_adamw_torch_and_says_how_they_differ():
+    cfg = parse_minimal(optimizer="adamw_hf")
+    assert cfg.optimizer == "adamw_torch"
+    (note,) = [line for line in feature_notes(cfg) if "adamw_hf" in line]
+    assert "eps/√(1-β₂ᵗ)" in note
+    # the note's claim: with eps/√(1-β₂ᵗ), torch's AdamW takes transformers 4's step
+    torch.manual_seed(0)
+    start, grads = torch.randn(5), [torch.randn(5) * 1e-4 for _ in range(3)]
+    theirs, m, v = start.clone(), torch.zeros(5), torch.zeros(5)
+    ours = torch.nn.Parameter(start.clone())
+    optimizer = torch.optim.AdamW([ours], lr=1e-3, weight_decay=0.0)
+    for step, grad in enumerate(grads, start=1):
+        _transformers4_adamw_step(theirs, grad, m, v, step, 1e-3, (0.9, 0.999), 1e-8)
+        optimizer.param_groups[0]["eps"] = 1e-8 / math.sqrt(1 - 0.999**step)
+        ours.grad = grad.clone()
+        optimizer.step()
+        torch.testing.assert_close(ours.detach(), theirs, atol=1e-9, rtol=1e-6)
+    # with eps itself, torch's first step already differs: what the note says is not idle
+    theirs, m, v = start.clone(), torch.zeros(5), torch.zeros(5)
+    _transformers4_adamw_step(theirs, grads[0], m, v, 1, 1e-3, (0.9, 0.999), 1e-8)
+    plain = torch.nn.Parameter(start.clone())
+    plain.grad = grads[0].clone()
+    torch.optim.AdamW([plain], lr=1e-3, eps=1e-8, weight_decay=0.0).step()
+    assert not torch.allclose(plain.detach(), theirs, atol=1e-9, rtol=1e-6)

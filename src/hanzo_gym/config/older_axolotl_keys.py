@@ -1,5 +1,5 @@
-"""Keys of earlier Axolotl releases that users' configs still carry, each read as the key that replaced it (the
-run's first lines say so). Older keys that change nothing here are config/inert_keys.py's."""
+"""Keys (and an optimizer name) of earlier Axolotl and transformers releases that users' configs still carry, each
+read as what replaced it (the run's first lines say so). Older keys that change nothing here are config/inert_keys.py's."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ class OlderAxolotlKeys(Feature):
                 )
             setattr(self, new, value)
             self._renamed.append(f"{old} is older Axolotl's name of {new}: {new}: {value}")
+        if self.optimizer == "adamw_hf":
+            self.optimizer = "adamw_torch"
+            self._renamed.append(
+                "optimizer: adamw_hf (transformers' own AdamW, which transformers 5 removed) runs as adamw_torch: "
+                "the same rule, except that adamw_hf's eps acts as eps/√(1-β₂ᵗ) does in torch's (at step t) and its weight "
+                "decay comes after the update rather than before"
+            )
         if self.base_model_config not in (None, self.base_model):
             raise ValueError(
                 f"base_model_config: {self.base_model_config} reads the model's config.json from another place "

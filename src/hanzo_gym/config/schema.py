@@ -110,6 +110,7 @@ class Config(
         "paged_adamw_32bit",
         "adamw_torch_4bit",
         "adamw_torch_8bit",
+        "adamw_hf",  # transformers' own AdamW, removed in transformers 5: run as adamw_torch (OlderAxolotlKeys)
     ] = "adamw_torch_fused"
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
