@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from hanzo_gym.cli import main
 from hanzo_gym.config import load_config
+from hanzo_gym.config.feature import feature_notes
 from hanzo_gym.errors import ConfigError, ModelError
 from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.loops.train import build_engine
@@ -199,3 +200,32 @@ def test_module_names_match_as_peft_matches_them(tmp_path, tiny_base, chat_data,
     )
     engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
     assert any("embed_tokens.modules_to_save" in n for n, _ in engine.model.named_parameters())
+
+
+def test_a_saved_module_also_named_a_lora_target_is_trained_whole_as_peft_builds_it(
+    tmp_path, tiny_base, chat_data, qwen3_tokenizer
+):
+    """Configs list embed_tokens and lm_head in both keys; PEFT then wraps them whole and gives them no LoRA."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "v_proj", *SAVED]
+    cfg = load_config(
+        write_tiny_run(
+            tmp_path,
+            tiny_base,
+            chat_data,
+            lora_target_linear=False,
+            lora_target_modules=targets,
+            lora_modules_to_save=SAVED,
+        )
+    )
+    assert cfg.lora_target_modules == ["q_proj", "v_proj"]
+    (note,) = [line for line in feature_notes(cfg) if "also in lora_modules_to_save" in line]
+    assert note.startswith("lora_target_modules: embed_tokens, lm_head also in lora_modules_to_save")
+    engine = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_base),
+        LoraConfig(r=cfg.lora_r, target_modules=targets, modules_to_save=SAVED),
+    )
+    trained = {n for n, p in engine.model.named_parameters() if p.requires_grad}
+    assert trained == {n for n, p in peft_model.named_parameters() if p.requires_grad}

@@ -50,6 +50,9 @@ class AdapterKeys(Feature):
     unfrozen_parameters: list[str] | None = None
 
     _lora_on_4bit: bool = PrivateAttr(False)
+    _saved_whole: list[str] = PrivateAttr(
+        default_factory=list
+    )  # targets that lora_modules_to_save trains whole
 
     @field_validator("lora_target_parameters", mode="before")
     @classmethod
@@ -91,15 +94,22 @@ class AdapterKeys(Feature):
             self._check_lora_model_dir()
 
     def notes(self) -> list[str]:
+        lines = []
+        if self._saved_whole:
+            lines.append(
+                f"lora_target_modules: {', '.join(self._saved_whole)} also in lora_modules_to_save, which trains them "
+                "whole: they get no LoRA, as PEFT builds such an adapter"
+            )
         if not self._lora_on_4bit:
-            return []
+            return lines
         kind = self.bnb_config_kwargs.bnb_4bit_quant_type.upper()
         return [
+            *lines,
             (
                 f"adapter: lora with load_in_4bit: true trains LoRA on a 4-bit {kind} base, as Axolotl before 0.13 "
                 "read it (transformers' load_in_4bit: FP4, no double quantization); `adapter: qlora` is today's "
                 "spelling (NF4, double quantization)"
-            )
+            ),
         ]
 
     def _check_unfrozen_parameters(self) -> None:
@@ -153,6 +163,12 @@ class AdapterKeys(Feature):
             except re.error as exc:
                 raise ValueError(f"lora_target_modules is not a valid regular expression: {exc}") from None
         names = [] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
+        # PEFT wraps a module of modules_to_save whole and puts no LoRA on it, whatever target_modules say
+        self._saved_whole = [
+            n for n in names if n in UNTRAINABLE_BY_LORA and n in (self.lora_modules_to_save or [])
+        ]
+        if self._saved_whole:
+            self.lora_target_modules = names = [n for n in names if n not in self._saved_whole]
         untrainable = sorted(set(names) & UNTRAINABLE_BY_LORA)
         if untrainable:
             raise ValueError(
