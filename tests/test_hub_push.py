@@ -42,6 +42,7 @@ class FakeHub:
 
     url: str = ""
     repos: dict[str, dict] = field(default_factory=dict)  # repo id → {"private": …, "branches": […]}
+    kinds: dict[str, str] = field(default_factory=dict)  # repo id → model or dataset
     commits: list[Commit] = field(default_factory=list)
     lfs: dict[str, bytes] = field(default_factory=dict)  # sha256 → bytes
     cards_validated: list[str] = field(default_factory=list)
@@ -90,6 +91,35 @@ def _handler(hub: FakeHub):
             hub.lfs_uploads += 1
             self._answer(200)
 
+        def _file(self, send_body: bool) -> None:
+            """A download (`hf_hub_download`: HEAD for the metadata, then GET), and `whoami`."""
+            path = unquote(urlsplit(self.path).path)
+            if path == "/api/whoami-v2":
+                return self._answer(200, {"name": "tester", "type": "user"})
+            match = re.fullmatch(r"/datasets/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+            files = hub.files_at(match[1], match[2]) if match else {}
+            if not match or match[3] not in files:
+                self.send_response(404)
+                self.send_header(
+                    "X-Error-Code", "EntryNotFound" if match and match[1] in hub.repos else "RepoNotFound"
+                )
+                self.send_header("Content-Length", "0")
+                return self.end_headers()
+            body = files[match[3]]
+            self.send_response(200)
+            self.send_header("ETag", f'"{hashlib.sha1(body).hexdigest()}"')
+            self.send_header("X-Repo-Commit", hashlib.sha1(str(len(hub.commits)).encode()).hexdigest())
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if send_body:
+                self.wfile.write(body)
+
+        def do_GET(self):
+            self._file(send_body=True)
+
+        def do_HEAD(self):
+            self._file(send_body=False)
+
         def do_POST(self):
             body = self._body()
             path = unquote(urlsplit(self.path).path)
@@ -98,6 +128,7 @@ def _handler(hub: FakeHub):
             if path == "/api/repos/create":
                 request = json.loads(body)
                 repo = f"{request.get('organization') or 'tester'}/{request['name']}"
+                hub.kinds[repo] = request.get("type", "model")
                 if repo in hub.repos:
                     return self._answer(
                         409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo}"}
@@ -107,7 +138,9 @@ def _handler(hub: FakeHub):
             if path == "/api/validate-yaml":
                 hub.cards_validated.append(json.loads(body)["content"])
                 return self._answer(200, {"errors": [], "warnings": []})
-            match = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(branch|preupload|commit)/(.+)", path)
+            match = re.fullmatch(
+                r"/api/(?:models|datasets)/([^/]+/[^/]+)/(branch|preupload|commit)/(.+)", path
+            )
             if match and match[1] not in hub.repos:
                 return self._answer(404, {"error": "Repository not found"})
             if match and match[2] == "branch":
@@ -142,7 +175,7 @@ def _handler(hub: FakeHub):
                 return self._answer(
                     200, {"commitUrl": f"{hub.url}/{match[1]}/commit/{oid}", "commitOid": oid}
                 )
-            match = re.fullmatch(r"/([^/]+/[^/]+)\.git/info/lfs/objects/batch", path)
+            match = re.fullmatch(r"/(?:datasets/)?([^/]+/[^/]+)\.git/info/lfs/objects/batch", path)
             if match:
                 objects = []
                 for item in json.loads(body)["objects"]:
@@ -158,6 +191,8 @@ def _handler(hub: FakeHub):
 def _point_client_at(monkeypatch, url: str) -> None:
     monkeypatch.setenv("HF_ENDPOINT", url)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
+    template = url + "/{repo_id}/resolve/{revision}/{filename}"  # downloads: made from the endpoint at import
+    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")  # the regular and LFS protocol, which the stand-in speaks
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)

@@ -34,7 +34,7 @@ NAMES = sorted(
 REFUSED_AT_RUN = {"pharaouk--jobs--llama70.yml": "tokens"}  # new tokens beside an adapter, no lora_modules_to_save
 LOADING = [name for name in NAMES if not EXPECTED.get(name) and name not in REFUSED_AT_RUN]
 # The share of the corpus that loads may only grow; raise it as features land.
-LOADING_AT_LEAST = 136
+LOADING_AT_LEAST = 137
 
 
 def _read(name: str, tmp_path: Path, base_model: str = "unused") -> tuple[dict, dict]:

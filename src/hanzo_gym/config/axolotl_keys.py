@@ -83,7 +83,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
             ("jagged_restart_steps", "ReLoRA's jagged lr restarts"),
             ("jagged_restart_warmup_steps", "ReLoRA's jagged lr restarts"),
             ("jagged_restart_anneal_steps", "ReLoRA's jagged lr restarts"),
-            ("push_dataset_to_hub", "uploading the prepared dataset"),
             ("llmcompressor", "LLM Compressor's sparsity recipe"),
             ("lisa_n_layers", "LISA (training a few sampled layers)"),
             ("lisa_step_interval", "LISA (training a few sampled layers)"),

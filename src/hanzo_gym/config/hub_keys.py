@@ -6,6 +6,7 @@ As in Axolotl, `hub_model_id` alone turns pushing on, and the repo it creates is
 keeps its visibility. `hub_strategy` is HF's (`transformers.trainer_utils.HubStrategy`; Axolotl hands it over):
 `end` pushes once, at the end; `every_save` (HF's default) also at each save; `checkpoint` also pushes the newest
 checkpoint into `last-checkpoint/` at each save; `all_checkpoints` pushes each checkpoint folder under its name.
+`push_dataset_to_hub` shares the tokenized datasets through a private hub dataset repo (data/prepared_hub.py).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class HubKeys(Feature):
     # Axolotl's: use the saved token (HF_TOKEN or `hf auth login`) for hub datasets. huggingface_hub reads that
     # token itself for every download and push, so either value loads and changes nothing.
     hf_use_auth_token: bool | None = None
+    # Axolotl's: the tokenized datasets shared through this private hub dataset repo (data/prepared_hub.py)
+    push_dataset_to_hub: str | None = None
 
-    @field_validator("hub_model_id")
+    @field_validator("hub_model_id", "push_dataset_to_hub")
     @classmethod
     def _repo_id(cls, value: str | None) -> str | None:
         if value is None:
@@ -74,6 +77,11 @@ class HubKeys(Feature):
         return self.hub_private_repo is not False
 
     def check(self) -> None:
+        if self.push_dataset_to_hub is not None and self.hf_use_auth_token is not True:
+            raise ValueError(
+                "push_dataset_to_hub pushes to and reads from a private repo: set hf_use_auth_token: true with it "
+                "(Axolotl's rule)"
+            )
         if self.push_to_hub and self.hub_model_id is None:
             raise ValueError(
                 "push_to_hub: true needs `hub_model_id` (the repo to push to, `owner/name` or `name`); "

@@ -25,6 +25,7 @@ from hanzo_gym.config.dataset_types import is_user_transform
 from hanzo_gym.data.dataset import DatasetStats, LoadedData
 from hanzo_gym.data.example import Example
 from hanzo_gym.data.preference import KtoExample, LoadedPreferences, PreferencePair
+from hanzo_gym.data.prepared_hub import DATA_FILE, INPUTS_FILE, hub_key, pull_entry, push_entry
 from hanzo_gym.data.prompts import LoadedPrompts, Prompt
 from hanzo_gym.data.sources import data_file_paths
 from hanzo_gym.data.user_transforms import user_code_module
@@ -39,9 +40,9 @@ if TYPE_CHECKING:
 
 Loaded = TypeVar("Loaded", LoadedData, LoadedPreferences, LoadedPrompts)
 
-FORMAT = 4  # 2: prompts keep their messages; 3: the count of duplicates left out; 4: completion texts in pieces
-DATA_FILE = "prepared.json"
-INPUTS_FILE = "inputs.json"
+FORMAT = (
+    4  # 2: prompts keep their messages; 3: the count of duplicates left out; 4: completion texts in pieces
+)
 # Every config key a loader of `hanzo_gym.data` reads (dataset.py, preference.py, prompts.py).
 DATA_KEYS = (
     "datasets",
@@ -67,27 +68,36 @@ def load_prepared(
     load: Callable[[Config, PreTrainedTokenizerBase], Loaded],
     write: bool = True,
 ) -> tuple[Loaded, str | None]:
-    """`load(cfg, tokenizer)`, read from or saved to `cfg.dataset_prepared_path` when it is set, and a line
-    saying which (None when the key is unset). `write=False` (the other ranks under torchrun) never writes."""
-    if not cfg.dataset_prepared_path:
+    """`load(cfg, tokenizer)`, read from or saved to `cfg.dataset_prepared_path` when it is set, and with
+    `push_dataset_to_hub` read from or pushed to that hub dataset repo (data/prepared_hub.py), and a line saying
+    which (None when neither key is set). `write=False` (the other ranks under torchrun) never writes or pushes."""
+    repo = cfg.push_dataset_to_hub
+    if not cfg.dataset_prepared_path and not repo:
         return load(cfg, tokenizer), None
     inputs = prepared_inputs(cfg, tokenizer)
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
-    entry = Path(cfg.dataset_prepared_path).expanduser() / key
-    if (entry / DATA_FILE).is_file():
-        loaded = _read(entry / DATA_FILE)
-        return loaded, f"dataset_prepared_path: read the prepared datasets from {entry}"
-    loaded = load(cfg, tokenizer)
+    entry = Path(cfg.dataset_prepared_path).expanduser() / key if cfg.dataset_prepared_path else None
+    if entry is not None and (entry / DATA_FILE).is_file():
+        return _read(entry / DATA_FILE), f"dataset_prepared_path: read the prepared datasets from {entry}"
+    pulled = pull_entry(repo, hub_key(inputs)) if repo else None
+    loaded = _read(pulled) if pulled is not None else load(cfg, tokenizer)
     if not write:
         return loaded, None
-    try:
-        publish_directory(lambda tmp: _write(tmp, loaded, inputs), entry)
-    except OSError as error:
-        raise DataError(
-            f"dataset_prepared_path: cannot write {entry} ({error}); point it at a writable folder or leave it "
-            "empty"
-        ) from None
-    return loaded, f"dataset_prepared_path: saved the prepared datasets to {entry}"
+    lines = []
+    if pulled is not None:
+        lines.append(f"push_dataset_to_hub: read the prepared datasets from hub dataset `{repo}`")
+    if entry is not None:
+        try:
+            publish_directory(lambda tmp: _write(tmp, loaded, inputs), entry)
+        except OSError as error:
+            raise DataError(
+                f"dataset_prepared_path: cannot write {entry} ({error}); point it at a writable folder or leave it "
+                "empty"
+            ) from None
+        lines.append(f"dataset_prepared_path: saved the prepared datasets to {entry}")
+    if repo and pulled is None:
+        lines.append(push_entry(repo, hub_key(inputs), _document(loaded), inputs))
+    return loaded, "\n".join(lines)
 
 
 def prepared_inputs(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
@@ -144,6 +154,12 @@ def _file_sha256(path: Path) -> str:
 
 
 def _write(directory: Path, loaded: Any, inputs: dict) -> None:
+    (directory / DATA_FILE).write_text(json.dumps(_document(loaded), separators=(",", ":")))
+    (directory / INPUTS_FILE).write_text(json.dumps(inputs, indent=2, sort_keys=True) + "\n")
+
+
+def _document(loaded: Any) -> dict[str, Any]:
+    """What prepared.json holds: plain JSON of the loaded data."""
     document = {"format": FORMAT, "kind": type(loaded).__name__}
     for field in fields(loaded):
         value = getattr(loaded, field.name)
@@ -153,8 +169,7 @@ def _write(directory: Path, loaded: Any, inputs: dict) -> None:
         elif field.name == "stats":
             value = [asdict(stat) for stat in value]
         document[field.name] = value
-    (directory / DATA_FILE).write_text(json.dumps(document, separators=(",", ":")))
-    (directory / INPUTS_FILE).write_text(json.dumps(inputs, indent=2, sort_keys=True) + "\n")
+    return document
 
 
 def _read(path: Path) -> Any:
