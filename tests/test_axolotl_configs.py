@@ -163,9 +163,15 @@ LOADING = [name for name in NAMES if not EXPECTED[name]]
             for name in LOADING
             # the GRPO quick-start samples from its vLLM server: the test below trains it on the built-in sampler;
             # Mistral 4's unfrozen `embed_tokens` matches no parameter of the model (its embeddings are
-            # model.language_model.embed_tokens, which another entry trains), which `gym train` refuses at load
+            # model.language_model.embed_tokens, which another entry trains), which `gym train` refuses at load;
+            # Mixtral 8x22B's `block_sparse_moe` entries name transformers 4's modules, refused alike (test below)
             if name
-            not in (*TRAINED_IN_THE_FAST_SUITE, "docs--grpo-quickstart.yaml", "mistral4--fft-text.yml")
+            not in (
+                *TRAINED_IN_THE_FAST_SUITE,
+                "docs--grpo-quickstart.yaml",
+                "mistral4--fft-text.yml",
+                "mistral--mixtral--mixtral_22.yml",
+            )
         ),
     ],
 )
@@ -187,6 +193,8 @@ def test_a_loading_config_trains_two_steps_with_only_its_paths_and_model_keys_ch
     keys = yaml.safe_load(text)
     targets, unfrozen = keys.get("lora_target_modules"), keys.get("unfrozen_parameters") or []
     if "experts" in str(keys.get("lora_target_parameters")):  # LoRA on the stacked expert weights
+        base = tiny_moe_base
+    if (keys.get("model_config") or {}).get("output_router_logits"):  # a router's load-balancing loss
         base = tiny_moe_base
     if (
         name.startswith("gemma4--")
@@ -314,3 +322,28 @@ def test_the_gdpo_example_trains_with_the_reward_module_its_user_writes(
     assert resolved["rl"] == "grpo" and resolved["trl"]["multi_objective_aggregation"] == "normalize_then_sum"
     records = (tmp_path / "run" / "completions.jsonl").read_text().splitlines()
     assert {"rwd.format_reward", "rwd.correctness_reward", "advantage"} <= json.loads(records[0]).keys()
+
+
+def test_mixtral_22s_unfrozen_parameters_name_modules_transformers_5_no_longer_has(
+    tmp_path, qwen3_tokenizer, capsys
+):
+    """Its entries name `block_sparse_moe`, transformers 4's module; Mixtral's experts are now `mlp.experts`, so
+    they would freeze every weight: refused at start, naming the key."""
+    from tiny_models import tiny_model
+
+    from hanzo_gym.cli import main
+
+    base = tmp_path / "tiny-mixtral"
+    tiny_model(
+        "mixtral", vocab_size=len(qwen3_tokenizer), eos_token_id=qwen3_tokenizer.eos_token_id
+    ).save_pretrained(base)
+    qwen3_tokenizer.save_pretrained(base)
+    assert any(".mlp.experts." in name for name, _ in tiny_model("mixtral").named_parameters())
+    data = _with_local_paths("mistral--mixtral--mixtral_22.yml", tmp_path, str(base))
+    data.update(max_steps=1, sequence_len=64, val_set_size=0, bf16=False)
+    for key in OTHER_MODEL_KEYS:
+        data.pop(key, None)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["train", str(path)]) == 2
+    assert "unfrozen_parameters: `model.layers.4[4-9]+.block_sparse_moe.experts`" in capsys.readouterr().err
