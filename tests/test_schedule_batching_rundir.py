@@ -33,6 +33,7 @@ def test_constant_ignores_warmup_as_hf_does():
         ("cosine_with_min_lr", {"min_lr_rate": 0.1}, 0.1),
         ("polynomial", {}, 0.0),
         ("inverse_sqrt", {}, 0.0),
+        ("cosine_with_restarts", {}, 0.0),
     ],
 )
 @pytest.mark.parametrize(("total", "warmup"), [(20, 0), (20, 3), (7, 7), (1, 0)])

@@ -132,7 +132,6 @@ OTHER_OPTIMIZERS = (
     "optimi_adamw",
 )
 OTHER_SCHEDULERS = (
-    "cosine_with_restarts",
     "reduce_lr_on_plateau",
     "cosine_warmup_with_min_lr",
     "warmup_stable_decay",

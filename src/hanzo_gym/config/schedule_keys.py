@@ -24,6 +24,7 @@ class ScheduleKeys(Feature):
         "cosine_with_min_lr",
         "polynomial",
         "inverse_sqrt",
+        "cosine_with_restarts",
     ] = "cosine"
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)
     lr_quadratic_warmup: bool = False  # Axolotl's: the cosine schedule's warmup rises as (step / warmup)²

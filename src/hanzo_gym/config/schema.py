@@ -325,7 +325,7 @@ def _value_refusal(key: str, value: Any) -> str | None:
     if key == "lr_scheduler" and value in OTHER_SCHEDULERS:
         return (
             f"Axolotl's `lr_scheduler: {value}` is not supported yet; use cosine, cosine_with_min_lr (with "
-            "cosine_min_lr_ratio), linear, constant, constant_with_warmup, polynomial or inverse_sqrt"
+            "cosine_min_lr_ratio), cosine_with_restarts, linear, constant, constant_with_warmup, polynomial or inverse_sqrt"
         )
     return None
 

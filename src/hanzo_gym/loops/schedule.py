@@ -6,6 +6,8 @@ the decay runs over the remaining steps. `constant` has no warmup in HF; `consta
 `polynomial` decays linearly (HF's power 1.0) to HF's absolute end rate 1e-7; `inverse_sqrt` decays as
 1 / sqrt(step / timescale) after warmup, with HF's timescale (the warmup steps, or 10,000 without warmup).
 Axolotl's `lr_quadratic_warmup` squares the warmup's fraction (its cosine schedule with quadratic warmup).
+`cosine_with_restarts` is HF's cosine with hard restarts with its default of one cycle (no restart within the run;
+the rate is 0 from the last step on, where `cosine` would rise again).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hanzo_gym.records import AdamParams
 POLYNOMIAL_END_LR = 1e-7
 POLYNOMIAL_POWER = 1.0
 INVERSE_SQRT_TIMESCALE = 10_000
+RESTART_CYCLES = 1
 
 
 def lr_factor(
@@ -53,6 +56,10 @@ def lr_factor(
     if kind in ("cosine", "cosine_with_min_lr"):
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return max(0.0, cosine * (1.0 - min_lr_ratio) + min_lr_ratio)
+    if kind == "cosine_with_restarts":  # HF's hard restarts, its one cycle: 0 from the end on
+        if progress >= 1.0:
+            return 0.0
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((RESTART_CYCLES * progress) % 1.0))))
     raise ValueError(f"unknown lr_scheduler {kind!r}")
 
 
