@@ -672,3 +672,11 @@ def test_adamw_hf_runs_as_adamw_torch_and_says_how_they_differ():
     plain.grad = grads[0].clone()
     torch.optim.AdamW([plain], lr=1e-3, eps=1e-8, weight_decay=0.0).step()
     assert not torch.allclose(plain.detach(), theirs, atol=1e-9, rtol=1e-6)
+
+
+def test_a_type_of_axolotls_strategy_modules_not_read_here_says_so_naming_the_module():
+    message = refusal_of(datasets=[{"path": "d.jsonl", "type": "metharme.load"}])
+    assert "`metharme.load` names a strategy of Axolotl's `metharme` prompt-strategy module" in message
+    assert "`type:` mapping" in message
+    # a misspelt type of ours gets its did-you-mean instead
+    assert "prompt-strategy module" not in refusal_of(datasets=[{"path": "d.jsonl", "type": "chat_templat"}])

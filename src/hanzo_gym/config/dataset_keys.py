@@ -245,8 +245,9 @@ class DatasetConfig(StrictKeys):
             and not misspelt
         ):
             raise ValueError(
-                f"`{value}` is one of Axolotl's own prompt strategies, which is not supported yet; give the rows' "
-                "format as a `type:` mapping (field_instruction, field_output, format, …) or use chat_template"
+                f"`{value}` names a strategy of Axolotl's `{value.split('.', 1)[0]}` prompt-strategy module, whose "
+                "strategies are read here only as the README's dataset types list them; give the rows' format as a "
+                "`type:` mapping (field_instruction, field_output, format, …) or use chat_template"
             )
         if isinstance(value, str) and value not in DATASET_TYPES:
             close = close_misspelling(value, list(DATASET_TYPES))
