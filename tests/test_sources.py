@@ -296,8 +296,28 @@ def test_hub_unreachable_and_not_cached(hub_cache, monkeypatch):
 
 def test_path_that_is_neither_local_nor_a_repo_id(tmp_path):
     missing = str(tmp_path / "no" / "such.jsonl")
-    with pytest.raises(DataError, match=r"is neither a local file/directory .*not a valid hub dataset id"):
+    with pytest.raises(DataError, match=r"no such file or folder \(and no folder .*no\); fix the path"):
         read_rows(missing)
+    with pytest.raises(DataError, match=r"is neither a local file/directory .*not a valid hub dataset id"):
+        read_rows("not an id")
+
+
+def test_a_mistyped_local_path_fails_at_once_with_the_near_name_and_no_hub_call(tmp_path, monkeypatch):
+    (tmp_path / "addition.jsonl").write_text('{"a": 1}\n')
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a path that names a local file asked the Hub")
+
+    monkeypatch.setattr(sources, "list_repo_files", no_hub)
+    monkeypatch.chdir(tmp_path)
+    for written, hint in (
+        ("addtion.jsonl", "did you mean `addition.jsonl`?"),
+        (str(tmp_path / "addtion.jsonl"), f"did you mean `{tmp_path / 'addition.jsonl'}`?"),
+        ("./elsewhere", "fix the path"),
+    ):
+        with pytest.raises(DataError) as raised:
+            read_rows(written)
+        assert str(raised.value) == f"`{written}`: no such file or folder; {hint}"
 
 
 def test_cached_hub_dataset_is_read_offline(hub_cache, offline):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import contextvars
+import difflib
 import fnmatch
 import json
 import logging
@@ -192,7 +193,28 @@ def _source_files(path: str, split_name: str, data_files: list[str] | None) -> l
         return [(path, local)]
     if local.is_dir():
         return _directory_files(local, split_name, data_files)
+    if names_a_local_path(path):
+        raise DataError(_no_such_path(path, local))
     return _hub_files(path, split_name, data_files)
+
+
+# Endings of local data files: a path with one names a file (a hub dataset id is `owner/name`), as does one that
+# starts like a folder
+_FILE_ENDINGS = (*DATA_EXTENSIONS, ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zst", ".bz2", ".xz")
+
+
+def names_a_local_path(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~", ".\\")) or path.lower().endswith(_FILE_ENDINGS)
+
+
+def _no_such_path(path: str, local: Path) -> str:
+    """A missing local path, with the nearest name in its folder (no hub call: the hub has no such id)."""
+    folder = local.parent
+    if not folder.is_dir():
+        return f"`{path}`: no such file or folder (and no folder {folder}); fix the path"
+    near = difflib.get_close_matches(local.name, sorted(entry.name for entry in folder.iterdir()), n=1)
+    hint = f"; did you mean `{folder / near[0] if str(folder) != '.' else near[0]}`?" if near else "; fix the path"
+    return f"`{path}`: no such file or folder{hint}"
 
 
 # `datasets.load_dataset`'s builders named by file format: `path: json` with `data_files` reads those files
