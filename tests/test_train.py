@@ -384,3 +384,28 @@ def test_per_epoch_cadences_and_the_checkpoint_limit_follow_axolotl_and_hf(
     records = [json.loads(line)["name"] for line in (run / "checkpoints.jsonl").read_text().splitlines()]
     assert records == newest
     assert RunDir(run).latest_checkpoint() == run / newest[-1]
+
+
+def test_ctrl_c_says_how_to_continue_and_the_re_run_that_asks_continues(
+    tmp_path, tiny_base, chat_data, monkeypatch, capsys
+):
+    path, _ = _config(tmp_path, tiny_base, chat_data, max_steps=8)
+    real_step = Engine.optim_step
+    steps = []
+
+    def step_then_ctrl_c(self, adam):
+        steps.append(1)
+        if len(steps) == 5:
+            raise KeyboardInterrupt
+        return real_step(self, adam)
+
+    monkeypatch.setattr(Engine, "optim_step", step_then_ctrl_c)
+    assert main(["train", str(path)]) == 130
+    out = capsys.readouterr().out
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    assert f"{checkpoint} holds the run up to its step: set `resume_from_checkpoint: true`" in out
+    monkeypatch.setattr(Engine, "optim_step", real_step)
+    resumed, _ = _config(tmp_path, tiny_base, chat_data, max_steps=8, resume_from_checkpoint=True)
+    assert main(["train", str(resumed)]) == 0
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged if "loss" in row][-5:] == [4, 5, 6, 7, 8]

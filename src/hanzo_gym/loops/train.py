@@ -325,11 +325,18 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
             run.publish_final(final)
         run.trackers.final(final)  # wandb_log_model: the final adapter as an artifact
         run.trackers.finish()
-    except BaseException:
+    except BaseException as stopped:
         run.trackers.finish(failed=True)
         if run.discard():
             print(
                 f"the new run stopped before its first checkpoint: {run.path} holds the previous run",
+                flush=True,
+            )
+        latest = run.latest_checkpoint() if is_main() else None
+        if isinstance(stopped, KeyboardInterrupt) and latest is not None:
+            print(
+                f"{latest} holds the run up to its step: set `resume_from_checkpoint: true` in the config and run the "
+                "same command to continue from there (run as it is, it starts over)",
                 flush=True,
             )
         raise
