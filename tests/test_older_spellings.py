@@ -680,3 +680,29 @@ def test_a_type_of_axolotls_strategy_modules_not_read_here_says_so_naming_the_mo
     assert "`type:` mapping" in message
     # a misspelt type of ours gets its did-you-mean instead
     assert "prompt-strategy module" not in refusal_of(datasets=[{"path": "d.jsonl", "type": "chat_templat"}])
+
+
+def test_bf16_full_is_refused_saying_what_runs_instead():
+    assert "`bf16: true` trains in bf16 as mixed precision" in refusal_of(bf16="full")
+
+
+def test_gc_steps_collects_garbage_every_n_steps(tmp_path, tiny_base, chat_data, monkeypatch):
+    from hanzo_gym.loops import tail
+
+    steps = []
+    real = tail.LoopTail.finish_step
+
+    def count(self, values, place):
+        real(self, values, place)
+        steps.append(self.step)
+
+    collected = []
+    monkeypatch.setattr(tail, "collect_garbage", lambda: collected.append(steps[-1] + 1 if steps else 1))
+    monkeypatch.setattr(tail.LoopTail, "finish_step", count)
+    for key in ("gc_steps", "gc_collect_steps"):
+        collected.clear(), steps.clear()
+        (tmp_path / key).mkdir()
+        config = write_tiny_run(tmp_path / key, tiny_base, chat_data, max_steps=5, **{key: 2})
+        assert main(["train", str(config)]) == 0
+        assert collected == [2, 4]
+    assert parse_minimal(gc_steps=3).collect_every == 3 and parse_minimal().collect_every is None

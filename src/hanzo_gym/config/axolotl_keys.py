@@ -112,6 +112,10 @@ VALUES_NOT_YET: dict[tuple[str, Any], str] = {
         "Axolotl's `activation_offloading: disk` (activations kept on disk) is not supported yet; use "
         "`activation_offloading: true` (host memory)"
     ),
+    ("bf16", "full"): (
+        "Axolotl's `bf16: full` (weights and optimizer state in bf16, no autocast, which rounds small updates "
+        "away) is not supported; `bf16: true` trains in bf16 as mixed precision, the trained weights in fp32"
+    ),
 }
 
 # HF `optim` and scheduler names Axolotl users may write that have another update rule or shape than ours.

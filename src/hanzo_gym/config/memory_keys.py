@@ -1,12 +1,14 @@
 """Axolotl's keys of activation memory: recomputing layers in the backward pass (`gradient_checkpointing`, with
 torch's kind in `gradient_checkpointing_kwargs`) and keeping saved activations in host memory until the backward
-pass needs them (`activation_offloading`; model/loader_keys.py and loops/train.py act on them)."""
+pass needs them (`activation_offloading`; model/loader_keys.py and loops/train.py act on them), and collecting
+freed memory every N steps (`gc_collect_steps`, and `gc_steps`, its older name: Python's garbage collector, then
+the CUDA allocator's cache where there is one, as Axolotl's callback does; loops/tail.py)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from hanzo_gym.config.feature import Feature, StrictKeys
 
@@ -23,6 +25,12 @@ class MemoryKeys(Feature):
     gradient_checkpointing_kwargs: CheckpointingKwargs = CheckpointingKwargs()
     # saved activations in host memory until the backward pass; legacy / hidden_states are Axolotl's variants
     activation_offloading: bool | Literal["legacy", "hidden_states"] = False
+    gc_collect_steps: int | None = Field(None, ge=1)
+    gc_steps: int | None = Field(None, ge=1)  # Axolotl's older name of gc_collect_steps
+
+    @property
+    def collect_every(self) -> int | None:
+        return self.gc_collect_steps or self.gc_steps
 
     _checkpointing_as_written: str | None = PrivateAttr(None)
 

@@ -28,11 +28,14 @@ never removes it. Count, best metric and best checkpoint travel inside checkpoin
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
 
 from hanzo_gym.config import Config
 from hanzo_gym.config.feature import steps_of
@@ -90,6 +93,13 @@ def planned_steps(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
         # HF: ceil(num_train_epochs × steps per epoch) steps, over ceil(num_train_epochs) epochs
         return math.ceil(cfg.num_epochs * steps_per_epoch), math.ceil(cfg.num_epochs)
     return cfg.max_steps, -(-cfg.max_steps // max(steps_per_epoch, 1))
+
+
+def collect_garbage() -> None:
+    """Axolotl's `gc_collect_steps`: Python's collector, then the CUDA allocator's cached blocks back."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -275,6 +285,8 @@ class LoopTail:
         self.progress.advance()
         self.window.add(values)
         self._watch_loss()
+        if cfg.collect_every and self.step % cfg.collect_every == 0:
+            collect_garbage()
         logged = self.step % self.log_every == 0 or self.done
         if logged:
             self._log_window(place)
