@@ -92,31 +92,60 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+CONFIG_REFERENCE = "README.md, section Config reference"
+CONFIG_HELP = "the run's YAML file: Axolotl's keys (base_model, datasets, adapter, …)"
+
+
+def _command(commands, name: str, summary: str, reference: str, details: str = ""):
+    """A subcommand whose --help says what it does, then where its reference is."""
+    return commands.add_parser(
+        name, help=summary, description=f"{summary}. {details}".strip(), epilog=f"Reference: {reference}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gym", description="hanzo-gym: LoRA SFT and RL post-training.")
+    parser = argparse.ArgumentParser(
+        prog="gym",
+        description="hanzo-gym: post-training of open language models (LoRA, QLoRA, full fine-tuning; SFT, "
+        "preference training, GRPO) from Axolotl-style YAML, the Tinker API or HTTP.",
+        epilog="Reference: README.md; `gym COMMAND --help` for each command",
+    )
     parser.add_argument("--version", action="version", version=f"hanzo-gym {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train a LoRA adapter from a YAML config")
-    train.add_argument("config")
+    train = _command(
+        commands,
+        "train",
+        "train from a YAML config: LoRA, QLoRA or full fine-tuning; SFT, DPO/IPO/ORPO/SimPO/KTO or GRPO",
+        CONFIG_REFERENCE,
+        "Writes the adapter (or model), checkpoints and metrics.jsonl to output_dir; Ctrl-C keeps the checkpoints, "
+        "and `resume_from_checkpoint: true` continues from the newest.",
+    )
+    train.add_argument("config", help=CONFIG_HELP)
     train.set_defaults(handler=_train)
 
-    preprocess = commands.add_parser(
+    preprocess = _command(
+        commands,
         "preprocess",
-        help="tokenize the datasets and print counts (and fill dataset_prepared_path); no training",
+        "tokenize the datasets and print counts (and fill dataset_prepared_path); no training",
+        CONFIG_REFERENCE,
     )
-    preprocess.add_argument("config")
+    preprocess.add_argument("config", help=CONFIG_HELP)
     preprocess.set_defaults(handler=_preprocess)
 
-    merge = commands.add_parser("merge", help="fold the trained adapter into the base model")
-    merge.add_argument("config")
+    merge = _command(
+        commands, "merge", "fold the trained adapter into the base model", "README.md, section Commands"
+    )
+    merge.add_argument("config", help=CONFIG_HELP)
     merge.add_argument("--out", help="destination folder (default: <output_dir>/merged)")
     merge.add_argument("--checkpoint", help="merge checkpoint-N instead of the final adapter")
     merge.set_defaults(handler=_merge)
 
-    push = commands.add_parser(
+    push = _command(
+        commands,
         "push",
-        help="push a finished run's adapter (or full model), tokenizer and model card to the Hugging Face Hub",
+        "push a finished run's adapter (or full model), tokenizer and model card to the Hugging Face Hub",
+        "README.md, section Pushing to the Hugging Face Hub",
     )
     push.add_argument("run_dir", help="the run's output_dir")
     push.add_argument("repo_id", help="the Hub repo: owner/name, or name in your own namespace")
@@ -128,26 +157,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     push.set_defaults(handler=_push)
 
-    synth = commands.add_parser(
-        "synth", help="generate a dataset from a design YAML (samplers, LLM columns, validators)"
+    synth = _command(
+        commands,
+        "synth",
+        "generate a dataset from a design YAML (samplers, LLM columns, validators)",
+        "docs/synth.md",
     )
-    synth.add_argument("design")
+    synth.add_argument("design", help="the design YAML file")
     synth.add_argument(
         "--preview", type=int, metavar="N", help="print N rows as JSON instead of writing `output`"
     )
     synth.set_defaults(handler=_synth)
 
-    trainjob = commands.add_parser(
+    trainjob = _command(
+        commands,
         "trainjob",
-        help="Kubeflow TrainJob entry: train from environment variables (docs/trainjob.md); torchrun-ready",
+        "Kubeflow TrainJob entry: train from environment variables; torchrun-ready",
+        "docs/trainjob.md",
     )
     trainjob.add_argument(
         "--dry-run", action="store_true", help="print the resolved config as YAML and exit without training"
     )
     trainjob.set_defaults(handler=_trainjob)
 
-    serve = commands.add_parser(
-        "serve", help="OpenAI-compatible server for a base model and its LoRA adapters (docs/serve.md)"
+    serve = _command(
+        commands,
+        "serve",
+        "OpenAI-compatible server for a base model and its LoRA adapters (and, with --tinker, the Tinker API)",
+        "docs/serve.md",
     )
     serve.add_argument("--model", required=True, help="base model: hub id, local folder or .gguf file")
     serve.add_argument(
@@ -200,9 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--verbose", action="store_true", help="log every request")
     serve.set_defaults(handler=_serve)
 
-    vllm_serve = commands.add_parser(
+    vllm_serve = _command(
+        commands,
         "vllm-serve",
-        help="start the vLLM server a GRPO run with `trl.vllm_mode: server` samples from (Axolotl's vllm-serve)",
+        "start the vLLM server a GRPO run with `trl.vllm_mode: server` samples from (Axolotl's vllm-serve)",
+        "README.md, section Rollouts on vLLM (`trl.use_vllm`)",
     )
     vllm_serve.add_argument("config", help="the run's YAML file (its base model and `vllm:` block)")
     vllm_serve.add_argument("--dry-run", action="store_true", help="print the vllm command and exit")
