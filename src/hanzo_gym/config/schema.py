@@ -33,6 +33,7 @@ from hanzo_gym.config.grpo_keys import GrpoKeys
 from hanzo_gym.config.hub_keys import HubKeys
 from hanzo_gym.config.inert_keys import InertKeys
 from hanzo_gym.config.kernel_keys import KernelKeys
+from hanzo_gym.config.loraplus_keys import LoraPlusKeys
 from hanzo_gym.config.memory_keys import MemoryKeys
 from hanzo_gym.config.model_overrides_keys import ModelOverridesKeys
 from hanzo_gym.config.model_quantization_keys import ModelQuantizationKeys
@@ -70,6 +71,7 @@ class Config(
     ModelOverridesKeys,
     DatasetKeys,
     AdapterKeys,
+    LoraPlusKeys,
     ScheduleKeys,
     CheckpointKeys,
     PreferenceKeys,

@@ -562,12 +562,12 @@ class Engine:
             scale = adam.grad_clip_norm / (grad_norm + 1e-6)
             for g in grads:
                 g.mul_(scale)
-        for group in self.optimizer.param_groups:
+        for group in self.optimizer.param_groups:  # a group may scale the rate or keep no decay (LoRA+)
             group.update(
-                lr=adam.learning_rate,
+                lr=adam.learning_rate * group.get("lr_scale", 1.0),
                 betas=(adam.beta1, adam.beta2),
                 eps=adam.eps,
-                weight_decay=adam.weight_decay,
+                weight_decay=adam.weight_decay if group.get("decays", True) else 0.0,
             )
         if scaler is None:
             self.optimizer.step()

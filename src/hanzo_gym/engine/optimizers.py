@@ -34,6 +34,25 @@ def plain_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.0)
 
 
+def with_loraplus(factory: OptimizerFactory, model: torch.nn.Module, ratio: float) -> OptimizerFactory:
+    """LoRA+'s groups (PEFT's `create_loraplus_optimizer`): the LoRA B matrices and every 1-D parameter at
+    `ratio` times the learning rate, the rest at it, no group decaying weights. Each group says so in
+    `lr_scale` and `decays`, which Engine.optim_step reads every step."""
+    names = {id(p): name for name, p in model.named_parameters()}
+
+    def fast(param: torch.nn.Parameter) -> bool:
+        return "lora_B" in names[id(param)] or param.ndim == 1
+
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        groups = [
+            {"params": [p for p in params if not fast(p)], "lr_scale": 1.0, "decays": False},
+            {"params": [p for p in params if fast(p)], "lr_scale": ratio, "decays": False},
+        ]
+        return factory([group for group in groups if group["params"]])
+
+    return make
+
+
 def build_optimizer_factory(name: str, device: torch.device) -> tuple[OptimizerFactory, str | None]:
     """The factory for optimizer `name` on `device`, and a one-line note when it falls back to plain AdamW."""
     if name == "adamw_torch":

@@ -80,6 +80,7 @@ def adapter_fingerprint(cfg: Config) -> dict:
         **({"unfrozen_parameters": cfg.unfrozen_parameters} if cfg.unfrozen_parameters else {}),
         **({"bnb_config_kwargs": cfg.bnb_4bit_settings} if cfg.bnb_4bit_settings else {}),
         **({"tokens": cfg.tokens} if cfg.tokens else {}),
+        **({"loraplus_lr_ratio": cfg.loraplus_lr_ratio} if cfg.loraplus_lr_ratio else {}),
         **({"loftq_bits": cfg.loftq_bits} if cfg.loftq_bits else {}),
         **(
             {"lora_target_parameters": sorted(cfg.lora_target_parameters)}

@@ -28,7 +28,7 @@ from hanzo_gym.engine.distributed import (
     say,
     world_size,
 )
-from hanzo_gym.engine.optimizers import build_optimizer_factory
+from hanzo_gym.engine.optimizers import build_optimizer_factory, with_loraplus
 from hanzo_gym.engine.state_files import save_engine_state
 from hanzo_gym.errors import GymError, ModelError
 from hanzo_gym.files import publish_directory
@@ -87,6 +87,8 @@ def build_engine(cfg: Config, plan: LoadPlan, tokenizer: PreTrainedTokenizerBase
     else:
         torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
         model = with_adapter(model, cfg, plan)
+        if cfg.loraplus_lr_ratio:
+            optimizer_factory = with_loraplus(optimizer_factory, model, cfg.loraplus_lr_ratio)
     return Engine(
         model,
         tokenizer,
