@@ -233,6 +233,7 @@ def test_bench_keys_are_checked_at_load(tmp_path):
     assert any("do_bench_eval, bench_dataset: changes nothing here" in note for note in feature_notes(quiet))
 
 
+@pytest.mark.slow  # a whole `gym train` run or two: CI's slow tier
 def test_gym_train_logs_bench_metrics_and_keeps_the_checkpoint_of_the_best_accuracy(
     tmp_path, tiny_base, chat_data, capsys
 ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from config_files import parse_minimal, refusal_of, write_tiny_run
 from peft.optimizers import create_loraplus_optimizer
@@ -76,6 +77,7 @@ def test_the_keys_load_with_their_notes_and_refusals():
     assert "goes with loraplus_lr_ratio" in refusal_of(loraplus_lr_embedding=1e-6)
 
 
+@pytest.mark.slow  # a whole `gym train` run or two: CI's slow tier
 def test_gym_train_with_loraplus_trains_and_resumes(tmp_path, tiny_base, chat_data):
     config = write_tiny_run(tmp_path, tiny_base, chat_data, max_steps=4, save_steps=2, loraplus_lr_ratio=8)
     assert main(["train", str(config)]) == 0

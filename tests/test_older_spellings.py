@@ -686,6 +686,7 @@ def test_bf16_full_is_refused_saying_what_runs_instead():
     assert "`bf16: true` trains in bf16 as mixed precision" in refusal_of(bf16="full")
 
 
+@pytest.mark.slow  # a whole `gym train` run or two: CI's slow tier
 def test_gc_steps_collects_garbage_every_n_steps(tmp_path, tiny_base, chat_data, monkeypatch):
     from hanzo_gym.loops import tail
 

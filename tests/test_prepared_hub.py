@@ -30,6 +30,7 @@ def _copy_of(chat_data, folder):
     return Path(shutil.copy(chat_data, folder / "chats.jsonl"))
 
 
+@pytest.mark.slow  # a whole `gym train` run or two: CI's slow tier
 def test_a_run_pushes_its_prepared_datasets_and_another_machine_reads_them(
     tmp_path,
     tiny_base,

@@ -386,6 +386,7 @@ def test_per_epoch_cadences_and_the_checkpoint_limit_follow_axolotl_and_hf(
     assert RunDir(run).latest_checkpoint() == run / newest[-1]
 
 
+@pytest.mark.slow  # a whole `gym train` run or two: CI's slow tier
 def test_ctrl_c_says_how_to_continue_and_the_re_run_that_asks_continues(
     tmp_path, tiny_base, chat_data, monkeypatch, capsys
 ):
