@@ -22,8 +22,6 @@ class LoraPlusKeys(Feature):
             raise ValueError(
                 f"{key} sets the learning rates of a LoRA adapter's matrices: it needs `adapter: lora` or qlora"
             )
-        if self.loraplus_lr_embedding and not self.loraplus_lr_ratio:
-            raise ValueError("loraplus_lr_embedding is a LoRA+ setting: it goes with loraplus_lr_ratio")
 
     def notes(self) -> list[str]:
         lines = []
@@ -32,7 +30,7 @@ class LoraPlusKeys(Feature):
                 f"loraplus_lr_ratio: LoRA+ trains without weight decay (PEFT's LoRA+ groups, as Axolotl builds "
                 f"them), so weight_decay {self.weight_decay} changes nothing"
             )
-        if self.loraplus_lr_embedding:
+        if self.loraplus_lr_embedding:  # without loraplus_lr_ratio Axolotl does not read it either
             lines.append(
                 "loraplus_lr_embedding changes nothing here: it is the rate of LoRA on embedding layers, which "
                 "hanzo-gym does not put LoRA on"
