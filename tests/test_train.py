@@ -404,9 +404,72 @@ def test_ctrl_c_says_how_to_continue_and_the_re_run_that_asks_continues(
     assert main(["train", str(path)]) == 130
     out = capsys.readouterr().out
     checkpoint = tmp_path / "run" / "checkpoint-3"
-    assert f"{checkpoint} holds the run up to its step: set `resume_from_checkpoint: true`" in out
+    assert f"{checkpoint} holds the run up to its step: run the same command to continue from there" in out
     monkeypatch.setattr(Engine, "optim_step", real_step)
-    resumed, _ = _config(tmp_path, tiny_base, chat_data, max_steps=8, resume_from_checkpoint=True)
-    assert main(["train", str(resumed)]) == 0
+    assert main(["train", str(path)]) == 0  # the same command, the same config: it continues
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'run'} holds this config's interrupted run: continuing it from checkpoint-3" in out
+    assert f"resumed from {checkpoint} at step 3" in out
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in logged if "loss" in row][-5:] == [4, 5, 6, 7, 8]
+    assert [row["step"] for row in logged if "loss" in row] == [1, 2, 3, 4, 5, 6, 7, 8]
+    uninterrupted, _ = _config(
+        tmp_path, tiny_base, chat_data, max_steps=8, output_dir=str(tmp_path / "whole")
+    )
+    assert main(["train", str(uninterrupted)]) == 0
+    assert _train_losses(tmp_path / "run") == pytest.approx(_train_losses(tmp_path / "whole"), rel=1e-6)
+
+
+@pytest.mark.slow  # whole `gym train` runs: CI's slow tier
+def test_a_re_run_with_another_config_or_asked_to_starts_over_and_says_so(
+    tmp_path, tiny_base, chat_data, monkeypatch, capsys
+):
+    path, _ = _config(tmp_path, tiny_base, chat_data, max_steps=8)
+    real_step = Engine.optim_step
+    steps = []
+
+    def step_then_ctrl_c(self, adam):
+        steps.append(1)
+        if len(steps) == 5:
+            raise KeyboardInterrupt
+        return real_step(self, adam)
+
+    monkeypatch.setattr(Engine, "optim_step", step_then_ctrl_c)
+    assert main(["train", str(path)]) == 130
+    monkeypatch.setattr(Engine, "optim_step", real_step)
+    capsys.readouterr()
+    other, _ = _config(tmp_path, tiny_base, chat_data, max_steps=4, save_steps=None, learning_rate=2e-4)
+    assert main(["train", str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "holds an interrupted run with another config (learning_rate, max_steps, save_steps differ)" in out
+    assert "its checkpoint-3 stays until this run has its first checkpoint" in out
+    assert sorted(_train_losses(tmp_path / "run")) == [1, 2, 3, 4]
+    # finished now: the same config again starts over, as any re-run of a finished run does
+    assert main(["train", str(other)]) == 0
+    assert "continuing" not in capsys.readouterr().out
+    # asked to start over: resume_from_checkpoint: false
+    steps.clear()
+    monkeypatch.setattr(Engine, "optim_step", step_then_ctrl_c)
+    assert main(["train", str(path)]) == 130
+    monkeypatch.setattr(Engine, "optim_step", real_step)
+    capsys.readouterr()
+    fresh, _ = _config(tmp_path, tiny_base, chat_data, max_steps=8, resume_from_checkpoint=False)
+    assert main(["train", str(fresh)]) == 0
+    out = capsys.readouterr().out
+    assert "continuing" not in out and "resumed from" not in out
+    assert sorted(_train_losses(tmp_path / "run")) == list(range(1, 9))
+
+
+def test_a_bad_row_fails_before_the_model_loads(tmp_path, tiny_base, chat_data, monkeypatch, capsys):
+    rows = chat_data.read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([*rows[:5], '{"messages": "oops"}', *rows[5:]]) + "\n")
+    path, _ = _config(tmp_path, tiny_base, chat_data, datasets=[{"path": str(bad), "type": "chat_template"}])
+
+    def no_model_load(plan):
+        raise AssertionError("the model loaded before the data was checked")
+
+    monkeypatch.setattr("hanzo_gym.loops.train.load_base", no_model_load)
+    assert main(["train", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"error: {bad} row 6: row has no `messages` list (field_messages = `messages`)\n"
+    assert "loading" not in out

@@ -133,3 +133,18 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of an appended-to JSON-lines record (metrics.jsonl): a torn last line, from a crash mid-append,
+    ends it; everything before it is good."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows

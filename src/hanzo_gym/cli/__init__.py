@@ -51,6 +51,12 @@ def _push(args: argparse.Namespace) -> None:
     print(f"pushed {args.run_dir} to {url}")
 
 
+def _report(args: argparse.Namespace) -> None:
+    from hanzo_gym.cli.report import report
+
+    report(args.run_dir, args.out)
+
+
 def _vllm_serve(args: argparse.Namespace) -> None:
     from hanzo_gym.cli.vllm_serve import run_vllm_serve
     from hanzo_gym.config import load_config
@@ -156,6 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--revision", metavar="BRANCH", help="the branch to push to (created when missing; default: main)"
     )
     push.set_defaults(handler=_push)
+
+    report = _command(
+        commands,
+        "report",
+        "summarise runs and draw their curves (loss, eval, learning rate, grad norm, rewards) into one PNG",
+        "README.md, section Look at your run",
+        "Reads only the run directory, so it works on a run still going or copied off a cluster; several runs "
+        "share each chart.",
+    )
+    report.add_argument("run_dir", nargs="+", help="a run's output_dir; give several to compare them")
+    report.add_argument(
+        "--out", help="the PNG to write (default: RUN_DIR/report.png for one run, ./report.png for several)"
+    )
+    report.set_defaults(handler=_report)
 
     synth = _command(
         commands,

@@ -36,6 +36,7 @@ from hanzo_gym.files import (
     process_alive,
     publish_directory,
     publish_files_into,
+    read_jsonl,
     remove_entry,
     swap_in,
 )
@@ -120,6 +121,18 @@ class RunDir:
         names = [name for name in RUN_FILES if (self.path / name).is_file()]
         return names + [path.name for path in _checkpoint_folders(self.path)]
 
+    def previous_config(self) -> dict | None:
+        """The resolved config of the run output_dir holds, None where there is none (or it does not read)."""
+        try:
+            config = json.loads((self.path / RUN_CONFIG).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        return config if isinstance(config, dict) else None
+
+    def finished(self) -> bool:
+        """Whether output_dir's run wrote its final adapter (or full model): an interrupted one has not."""
+        return (self.path / self.marker).is_file()
+
     def start_fresh(self) -> list[str]:
         """A new run: when output_dir holds an earlier run, stage this one until it can replace it (see the
         module's docstring). Returns the earlier run's entries that it is to replace."""
@@ -191,7 +204,7 @@ class RunDir:
         self.trackers.table("completions", records, step)
 
     def metrics(self) -> list[dict]:
-        return _read_jsonl(self.metrics_path)
+        return read_jsonl(self.metrics_path)
 
     def forget_after(self, step: int) -> None:
         """On resume: drop metric and checkpoint records of steps the resumed run will redo."""
@@ -199,7 +212,7 @@ class RunDir:
             return
         for path in (self.metrics_path, self.checkpoints_path, self.predictions_path, self.completions_path):
             if path.exists():
-                kept = [row for row in _read_jsonl(path) if row.get("step", 0) <= step]
+                kept = [row for row in read_jsonl(path) if row.get("step", 0) <= step]
                 atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
 
     def save_checkpoint(
@@ -244,7 +257,7 @@ class RunDir:
             return
         # The record first: a crash between the two leaves a folder the record no longer names, never a
         # record naming a folder that is gone.
-        kept = [row for row in _read_jsonl(self.checkpoints_path) if row.get("name") not in removed]
+        kept = [row for row in read_jsonl(self.checkpoints_path) if row.get("name") not in removed]
         atomic_write_text(self.checkpoints_path, "".join(json.dumps(row) + "\n" for row in kept))
         for name in sorted(removed):
             remove_entry(self._home / name)
@@ -304,16 +317,3 @@ def _checkpoint_folders(directory: Path) -> list[Path]:
         for path in directory.glob(f"{CHECKPOINT_PREFIX}*")
         if path.is_dir() and path.name.removeprefix(CHECKPOINT_PREFIX).isdigit()
     )
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a torn last line from a crash mid-append: everything before it is good
-    return rows

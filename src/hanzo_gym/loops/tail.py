@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from hanzo_gym.clock import duration
 from hanzo_gym.config import Config
 from hanzo_gym.config.feature import steps_of
 from hanzo_gym.engine import Engine
@@ -224,6 +225,7 @@ class LoopTail:
         self._logged_loss: float | None = None  # the newest logged row's `loss`, for the watchdog
         self._violations = 0
         if self._evaluate is not None and self.step == 0:
+            self.say("eval step 0: scoring the model before training on the validation set …")
             self.evaluate(0.0)  # the base model's score: the number training has to beat
 
     @property
@@ -252,6 +254,13 @@ class LoopTail:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
+
+    def _time_left(self) -> str:
+        """At this process's pace so far (evaluations and saves included): how long the rest takes."""
+        done = self.step - self.position.step
+        if self.done or done <= 0:
+            return ""
+        return f" · {duration(self.elapsed() / done * (self.total - self.step))} left"
 
     def evaluate(self, epoch_progress: float) -> dict[str, float]:
         result = self._evaluate(self.step)
@@ -316,7 +325,7 @@ class LoopTail:
         self._logged_loss = row.get("loss", self._logged_loss)
         row["elapsed_s"] = self.elapsed()
         self.run.log(row)
-        self.say(self._line(row))
+        self.say(self._line(row) + self._time_left())
         self.window = StepWindow()
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,10 @@ def build_engine(cfg: Config, plan: LoadPlan, tokenizer: PreTrainedTokenizerBase
     say(*plan.notes, apply_tf32(cfg.tf32, plan.device))
     if plan.flex_attention_compile:
         compile_flex_attention_with(plan.flex_attention_compile)
+    say(f"loading {plan.source.base_model} …")  # the longest silence of a start, on a loaded machine minutes
+    started = time.perf_counter()
     model = load_base(plan)
+    say(f"loaded the model in {time.perf_counter() - started:.1f} s")
     if plan.embeddings.may_grow:
         vocabulary = tokenizer if tokenizer is not None else load_run_tokenizer(cfg, plan.source)
         say(fit_embeddings(model, len(vocabulary), cfg, added_tokens_of(vocabulary)))
@@ -188,7 +192,11 @@ def starting_adapter_note(cfg: Config, directory: Path, model: torch.nn.Module) 
 
 
 def resume_point(cfg: Config, run: RunDir) -> Path | None:
+    """The checkpoint this run continues from: the one asked for, or, when resume_from_checkpoint is unset, the
+    newest of an interrupted run of this same config in output_dir (a re-run keeps the work done)."""
     wanted = cfg.resume_from_checkpoint
+    if wanted is None and cfg.auto_resume_from_checkpoints is not False:
+        return interrupted_run_to_continue(cfg, run)
     if wanted in (None, False):
         return None
     if wanted is True:
@@ -199,6 +207,39 @@ def resume_point(cfg: Config, run: RunDir) -> Path | None:
             )
         return latest
     return Path(wanted)  # the config checked that it is a directory
+
+
+# Keys that say how to start, not what is trained: an interrupted run is this run whatever they were.
+_HOW_TO_START = ("resume_from_checkpoint", "auto_resume_from_checkpoints")
+
+
+def interrupted_run_to_continue(cfg: Config, run: RunDir) -> Path | None:
+    """output_dir's newest checkpoint when it holds an interrupted run (checkpoints, no final output) whose
+    run_config.json is this config; otherwise None, and a run with another config is left to start over."""
+    latest = run.latest_checkpoint()
+    previous = run.previous_config()
+    if latest is None or previous is None or run.finished():
+        return None
+    current = cfg.model_dump(mode="json")
+    differ = sorted(
+        key
+        for key in previous.keys() | current.keys()
+        if key not in _HOW_TO_START and previous.get(key) != current.get(key)
+    )
+    if differ:
+        print(
+            f"{run.path} holds an interrupted run with another config ({', '.join(differ[:5])} differ"
+            f"{', …' if len(differ) > 5 else ''}): this run starts over; its {latest.name} stays until this "
+            "run has its first checkpoint (`resume_from_checkpoint: true` continues it instead)",
+            flush=True,
+        )
+        return None
+    print(
+        f"{run.path} holds this config's interrupted run: continuing it from {latest.name} "
+        "(`resume_from_checkpoint: false` starts over)",
+        flush=True,
+    )
+    return latest
 
 
 def load_run_tokenizer(cfg: Config, source: ModelSource | None = None) -> PreTrainedTokenizerBase:
@@ -337,8 +378,8 @@ def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | Gr
         latest = run.latest_checkpoint() if is_main() else None
         if isinstance(stopped, KeyboardInterrupt) and latest is not None:
             print(
-                f"{latest} holds the run up to its step: set `resume_from_checkpoint: true` in the config and run the "
-                "same command to continue from there (run as it is, it starts over)",
+                f"{latest} holds the run up to its step: run the same command to continue from there "
+                "(`resume_from_checkpoint: false` in the config starts over instead)",
                 flush=True,
             )
         raise
