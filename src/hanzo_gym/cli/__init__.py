@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
-CONFIG_REFERENCE = "README.md, section Config reference"
+CONFIG_REFERENCE = "docs/config.md"
 CONFIG_HELP = "the run's YAML file: Axolotl's keys (base_model, datasets, adapter, …)"
 
 
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     preprocess.set_defaults(handler=_preprocess)
 
     merge = _command(
-        commands, "merge", "fold the trained adapter into the base model", "README.md, section Commands"
+        commands, "merge", "fold the trained adapter into the base model", "docs/commands.md"
     )
     merge.add_argument("config", help=CONFIG_HELP)
     merge.add_argument("--out", help="destination folder (default: <output_dir>/merged)")
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "push",
         "push a finished run's adapter (or full model), tokenizer and model card to the Hugging Face Hub",
-        "README.md, section Pushing to the Hugging Face Hub",
+        "docs/config.md, section Pushing to the Hugging Face Hub",
     )
     push.add_argument("run_dir", help="the run's output_dir")
     push.add_argument("repo_id", help="the Hub repo: owner/name, or name in your own namespace")
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "vllm-serve",
         "start the vLLM server a GRPO run with `trl.vllm_mode: server` samples from (Axolotl's vllm-serve)",
-        "README.md, section Rollouts on vLLM (`trl.use_vllm`)",
+        "docs/config.md, section Rollouts on vLLM (`trl.use_vllm`)",
     )
     vllm_serve.add_argument("config", help="the run's YAML file (its base model and `vllm:` block)")
     vllm_serve.add_argument("--dry-run", action="store_true", help="print the vllm command and exit")

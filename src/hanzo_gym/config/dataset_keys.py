@@ -246,7 +246,7 @@ class DatasetConfig(StrictKeys):
         ):
             raise ValueError(
                 f"`{value}` names a strategy of Axolotl's `{value.split('.', 1)[0]}` prompt-strategy module, whose "
-                "strategies are read here only as the README's dataset types list them; give the rows' format as a "
+                "strategies are read here only as docs/config.md's dataset types list them; give the rows' format as a "
                 "`type:` mapping (field_instruction, field_output, format, …) or use chat_template"
             )
         if isinstance(value, str) and value not in DATASET_TYPES:

@@ -226,7 +226,7 @@ def _describe(error: dict, source: str, lines: dict) -> tuple[int, str]:
         if close:
             hint = f" did you mean `{close}`?"
         elif len(valid) > _LISTED_KEYS:
-            hint = " it is not a key hanzo-gym reads; the Config reference in README.md lists them"
+            hint = " it is not a key hanzo-gym reads; docs/config.md lists them"
         else:
             hint = f" valid keys here: {', '.join(valid)}"
         return line, f"{where}: unknown key `{key}`;{hint}"

