@@ -1,6 +1,6 @@
-"""The layering rules of the package, held by tests (see "How it is built" in the README).
+"""The layering rules of the package, held by tests (see docs/architecture.md).
 
-Bottom to top: records, errors, files and launch → renderers, rewards → config (it checks reward specs and template
+Bottom to top: records, errors, files, launch and clock → renderers, rewards → config (it checks reward specs and template
 names at load) → data, synth (they read configs); none of these loads torch → model (loading, LoRA) → engine → host (model host, sample batcher), rollout (vLLM) → loops → front ends (cli, serve, tinker, cookbook). An
 import only points down or sideways within a layer; module-level imports form no cycle.
 """
@@ -18,7 +18,7 @@ import hanzo_gym
 
 PACKAGE = Path(hanzo_gym.__file__).parent
 LAYERS = [
-    {"records", "errors", "files", "launch"},
+    {"records", "errors", "files", "launch", "clock"},
     {"renderers", "rewards"},
     {"config"},
     {"data", "synth"},
@@ -29,7 +29,7 @@ LAYERS = [
     {"cli", "serve", "tinker", "cookbook"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
-TORCH_FREE = ["records", "errors", "files", "launch", "config", "data", "renderers", "rewards", "synth"]
+TORCH_FREE = ["records", "errors", "files", "launch", "clock", "config", "data", "renderers", "rewards", "synth"]
 
 
 def _modules(part: str) -> list[str]:

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train from a YAML config: LoRA, QLoRA or full fine-tuning; SFT, DPO/IPO/ORPO/SimPO/KTO or GRPO",
         CONFIG_REFERENCE,
         "Writes the adapter (or model), checkpoints and metrics.jsonl to output_dir; Ctrl-C keeps the checkpoints, "
-        "and `resume_from_checkpoint: true` continues from the newest.",
+        "and the same command again continues the interrupted run (`resume_from_checkpoint: false` starts over).",
     )
     train.add_argument("config", help=CONFIG_HELP)
     train.set_defaults(handler=_train)

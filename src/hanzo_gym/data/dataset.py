@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from hanzo_gym.clock import paced
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.config.dataset_types import is_user_transform
 from hanzo_gym.data.deduplicate import without_duplicates
@@ -72,7 +73,12 @@ def load_examples(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedData
             # a transform of the user's names its entry of `datasets` (test_datasets hold none)
             strategy = load_user_strategy(cfg, index, tokenizer) if is_user_transform(ds.type) else None
             kept, ds_stats = examples_from_rows(
-                rows, ds, ctx, cfg.sequence_len, cfg.excess_length_strategy, to_example=strategy
+                paced(rows, f"tokenizing {ds.path}"),
+                ds,
+                ctx,
+                cfg.sequence_len,
+                cfg.excess_length_strategy,
+                to_example=strategy,
             )
             examples.extend(kept)
             stats.append(ds_stats)

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hanzo_gym.clock import paced
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.data.dataset import DatasetStats, dedupe_shuffle_split, total_stats
 from hanzo_gym.data.preference_transforms import as_passthrough
@@ -357,7 +358,9 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
             rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
             if not held_out:  # a transform of the user's names its entry of `datasets`
                 rows, ds = as_passthrough(cfg, index, rows, tokenizer)
-            kept, ds_stats = items_from_rows(rows, ds, ctx, cfg.sequence_len, strategy, kto=cfg.rl == "kto")
+            kept, ds_stats = items_from_rows(
+                paced(rows, f"tokenizing {ds.path}"), ds, ctx, cfg.sequence_len, strategy, kto=cfg.rl == "kto"
+            )
             pairs.extend(kept)
             stats.append(ds_stats)
         return pairs

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hanzo_gym.clock import paced
 from hanzo_gym.config import Config, DatasetConfig
 from hanzo_gym.config.dataset_types import is_user_transform
 from hanzo_gym.data.dataset import dedupe_shuffle_split
@@ -131,7 +132,7 @@ def load_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedPromp
             rows = read_rows(ds.path, split=ds.split, data_files=ds.data_files, name=ds.name)
             if is_user_transform(ds.type):  # of `datasets` only (test_datasets hold none)
                 rows = list(map(load_user_transform(cfg, index, tokenizer), rows))
-            for row in rows:
+            for row in paced(rows, f"tokenizing {ds.path}"):
                 prompt = prompt_from_row(row, ds, tokenizer, renderer)
                 if len(prompt.tokens) > cfg.sequence_len:
                     dropped += 1  # a cut prompt would ask a different question: drop it

@@ -22,11 +22,13 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
 
+from hanzo_gym.clock import duration
 from hanzo_gym.engine.distributed import is_main
 from hanzo_gym.errors import GymError
 from hanzo_gym.files import (
@@ -276,11 +278,16 @@ class RunDir:
 
 
 class Progress:
-    """A progress bar on an interactive terminal, plain log lines otherwise."""
+    """A progress bar on an interactive terminal, plain log lines otherwise: there, when `QUIET_SECONDS` pass
+    with no line (a large logging_steps, slow steps), a line of the step and the time left."""
+
+    QUIET_SECONDS = 30.0
 
     def __init__(self, total: int, done: int):
         self.interactive = sys.stderr.isatty()
         self.quiet = not is_main()  # under torchrun rank 0 speaks for all
+        self.total, self.first, self.done = total, done, done
+        self.started = self.last_line = time.monotonic()
         self.bar = tqdm(
             total=total,
             initial=done,
@@ -296,11 +303,17 @@ class Progress:
             self.bar.write(text)
         else:
             print(text, flush=True)
+        self.last_line = time.monotonic()
 
     def advance(self, **postfix: str) -> None:
         self.bar.update(1)
+        self.done += 1
         if postfix:
             self.bar.set_postfix(**postfix)
+        now = time.monotonic()
+        if not self.interactive and now - self.last_line >= self.QUIET_SECONDS and self.done < self.total:
+            left = (now - self.started) / (self.done - self.first) * (self.total - self.done)
+            self.say(f"step {self.done}/{self.total} · {duration(left)} left")
 
     def close(self) -> None:
         self.bar.close()
