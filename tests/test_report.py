@@ -8,6 +8,7 @@ import json
 import pytest
 from matplotlib import image
 from PIL import Image
+from test_train import _config
 
 from hanzo_gym.cli import main
 from hanzo_gym.cli.report import RunRecord, chart_names, report, summary
@@ -115,26 +116,8 @@ def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
 
 
 def test_gym_report_on_a_trained_run(tmp_path, tiny_base, chat_data, capsys):
-    import yaml
-
-    config = {
-        "base_model": str(tiny_base),
-        "datasets": [{"path": str(chat_data), "type": "chat_template"}],
-        "val_set_size": 0.2,
-        "output_dir": str(tmp_path / "run"),
-        "sequence_len": 64,
-        "adapter": "lora",
-        "lora_r": 4,
-        "lora_alpha": 8,
-        "lora_target_linear": True,
-        "micro_batch_size": 4,
-        "max_steps": 4,
-        "eval_steps": 2,
-        "learning_rate": 5e-3,
-        "logging_steps": 1,
-    }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    path, _ = _config(tmp_path, tiny_base, chat_data, max_steps=4, eval_steps=2, save_steps=None)
+    assert main(["train", str(path)]) == 0
     capsys.readouterr()
     assert main(["report", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out.splitlines()

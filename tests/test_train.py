@@ -386,26 +386,33 @@ def test_per_epoch_cadences_and_the_checkpoint_limit_follow_axolotl_and_hf(
     assert RunDir(run).latest_checkpoint() == run / newest[-1]
 
 
-@pytest.mark.slow  # a whole `gym train` run or two: CI's slow tier
-def test_ctrl_c_says_how_to_continue_and_the_re_run_that_asks_continues(
-    tmp_path, tiny_base, chat_data, monkeypatch, capsys
-):
-    path, _ = _config(tmp_path, tiny_base, chat_data, max_steps=8)
+def _ctrl_c_at_step(step: int, config, monkeypatch) -> None:
+    """`gym train config` as when Ctrl-C comes during optimizer step `step`; optim_step is itself again after."""
     real_step = Engine.optim_step
     steps = []
 
     def step_then_ctrl_c(self, adam):
         steps.append(1)
-        if len(steps) == 5:
+        if len(steps) == step:
             raise KeyboardInterrupt
         return real_step(self, adam)
 
     monkeypatch.setattr(Engine, "optim_step", step_then_ctrl_c)
-    assert main(["train", str(path)]) == 130
+    try:
+        assert main(["train", str(config)]) == 130
+    finally:
+        monkeypatch.setattr(Engine, "optim_step", real_step)
+
+
+@pytest.mark.slow  # a whole `gym train` run or two: CI's slow tier
+def test_ctrl_c_says_how_to_continue_and_the_re_run_that_asks_continues(
+    tmp_path, tiny_base, chat_data, monkeypatch, capsys
+):
+    path, _ = _config(tmp_path, tiny_base, chat_data, max_steps=8)
+    _ctrl_c_at_step(5, path, monkeypatch)
     out = capsys.readouterr().out
     checkpoint = tmp_path / "run" / "checkpoint-3"
     assert f"{checkpoint} holds the run up to its step: run the same command to continue from there" in out
-    monkeypatch.setattr(Engine, "optim_step", real_step)
     assert main(["train", str(path)]) == 0  # the same command, the same config: it continues
     out = capsys.readouterr().out
     assert f"{tmp_path / 'run'} holds this config's interrupted run: continuing it from checkpoint-3" in out
@@ -424,18 +431,7 @@ def test_a_re_run_with_another_config_or_asked_to_starts_over_and_says_so(
     tmp_path, tiny_base, chat_data, monkeypatch, capsys
 ):
     path, _ = _config(tmp_path, tiny_base, chat_data, max_steps=8)
-    real_step = Engine.optim_step
-    steps = []
-
-    def step_then_ctrl_c(self, adam):
-        steps.append(1)
-        if len(steps) == 5:
-            raise KeyboardInterrupt
-        return real_step(self, adam)
-
-    monkeypatch.setattr(Engine, "optim_step", step_then_ctrl_c)
-    assert main(["train", str(path)]) == 130
-    monkeypatch.setattr(Engine, "optim_step", real_step)
+    _ctrl_c_at_step(5, path, monkeypatch)
     capsys.readouterr()
     other, _ = _config(tmp_path, tiny_base, chat_data, max_steps=4, save_steps=None, learning_rate=2e-4)
     assert main(["train", str(other)]) == 0
@@ -447,10 +443,7 @@ def test_a_re_run_with_another_config_or_asked_to_starts_over_and_says_so(
     assert main(["train", str(other)]) == 0
     assert "continuing" not in capsys.readouterr().out
     # asked to start over: resume_from_checkpoint: false
-    steps.clear()
-    monkeypatch.setattr(Engine, "optim_step", step_then_ctrl_c)
-    assert main(["train", str(path)]) == 130
-    monkeypatch.setattr(Engine, "optim_step", real_step)
+    _ctrl_c_at_step(5, path, monkeypatch)
     capsys.readouterr()
     fresh, _ = _config(tmp_path, tiny_base, chat_data, max_steps=8, resume_from_checkpoint=False)
     assert main(["train", str(fresh)]) == 0
