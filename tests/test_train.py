@@ -466,3 +466,45 @@ def test_a_bad_row_fails_before_the_model_loads(tmp_path, tiny_base, chat_data, 
     out, err = capsys.readouterr()
     assert err == f"error: {bad} row 6: row has no `messages` list (field_messages = `messages`)\n"
     assert "loading" not in out
+
+
+def test_a_second_run_on_a_busy_output_dir_fails_at_once_naming_the_first(
+    tmp_path, tiny_base, chat_data, capsys
+):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path, cfg = _config(tmp_path, tiny_base, chat_data, max_steps=2, save_steps=None)
+    holder = subprocess.Popen(  # what a first `gym train` on the same output_dir does while it runs
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pathlib import Path; from hanzo_gym.files import held_exclusively\n"
+                "with held_exclusively(Path(sys.argv[1]), 'gym train'):\n"
+                "    print('held', flush=True); time.sleep(120)"
+            ),
+            cfg["output_dir"],
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        started = time.monotonic()
+        assert main(["train", str(path)]) == 2
+        assert time.monotonic() - started < 3  # before the model loads
+        err = capsys.readouterr().err
+        assert err == (
+            f"error: {cfg['output_dir']} is in use by another gym train (process {holder.pid}): wait for it to "
+            "finish, or give this run another output_dir\n"
+        )
+    finally:
+        holder.send_signal(signal.SIGKILL)  # killed, not finished: the OS lets go of its lock all the same
+        holder.wait()
+    assert main(["train", str(path)]) == 0
+    run = tmp_path / "run"
+    assert (run / "adapter_config.json").is_file()
+    assert not (run / ".gym-train.pid").exists()  # a finished run leaves nothing of its hold

@@ -6,11 +6,15 @@ use it too.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from hanzo_gym.errors import GymError
 
 SWAP_PLAN = ".swap-plan.json"  # in a staging folder: its swap into the parent has begun (see `swap_in`)
 
@@ -148,3 +152,38 @@ def read_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError:
                 break
     return rows
+
+
+HOLDER_FILE = ".gym-train.pid"  # who holds a directory, for the message of the process that cannot
+
+
+@contextmanager
+def held_exclusively(directory: Path, what: str) -> Iterator[None]:
+    """Hold `directory` for this process alone while the block runs: a second process that asks fails at
+    once, naming the process that holds it. An OS lock (flock) on the directory itself, so a process killed by
+    any means lets go, and nothing is left in it after the block."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError as exc:
+        raise GymError(f"cannot create output_dir {directory}: {exc.strerror}") from None
+    holder = directory / HOLDER_FILE
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = holder.read_text(encoding="utf-8").strip()
+            except OSError:
+                pid = "?"
+            raise GymError(
+                f"{directory} is in use by another {what} (process {pid}): wait for it to finish, or give this "
+                "run another output_dir"
+            ) from None
+        holder.write_text(str(os.getpid()), encoding="utf-8")
+        try:
+            yield
+        finally:
+            holder.unlink(missing_ok=True)  # before the lock goes: the next holder writes its own
+    finally:
+        os.close(handle)

@@ -546,7 +546,9 @@ class Engine:
         """Clip (when asked), take one AdamW step with these parameters, and clear the gradients.
         Under torchrun the gradients are first summed over all processes (see `distributed`). With loss
         scaling the gradients are unscaled first; a step whose gradients overflowed is skipped (its grad_norm
-        reported as 0, the norm of the update applied) and `loss_scale` is the scale the next step uses."""
+        reported as 0, the norm of the update applied) and `loss_scale` is the scale the next step uses.
+        Without it, non-finite gradients are dropped unapplied, the weights and AdamW state as they were, and
+        the non-finite grad_norm is reported."""
         sync_gradients(self.trainable)
         grads = [p.grad for p in self.trainable if p.grad is not None]
         if not grads:  # nothing was accumulated: AdamW would still decay weights and advance its step count
@@ -558,6 +560,10 @@ class Engine:
             torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
         ).item()
         overflowed = scaler is not None and not math.isfinite(grad_norm)
+        if scaler is None and not math.isfinite(grad_norm):
+            # Not applied: one NaN would reach every weight and AdamW moment. The caller says what happened.
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": grad_norm, "lr": adam.learning_rate}
         if adam.grad_clip_norm > 0 and grad_norm > adam.grad_clip_norm and not overflowed:
             scale = adam.grad_clip_norm / (grad_norm + 1e-6)
             for g in grads:
@@ -681,6 +687,10 @@ def check_datums(datums: list[Datum]) -> None:
                 raise GymError(
                     f"datum {index}: loss_fn_inputs[`{key}`] has shape {shape}, but model_input has {length} "
                     "tokens; every input is aligned with model_input (target t = token t+1)"
+                )
+            if value.dtype == "float32" and not all(map(math.isfinite, value.data)):
+                raise GymError(  # a NaN weight or advantage would reach every weight at the next step
+                    f"datum {index}: loss_fn_inputs[`{key}`] holds NaN or infinite values; send finite numbers"
                 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from hanzo_gym.engine.distributed import (
 from hanzo_gym.engine.optimizers import build_optimizer_factory, with_loraplus
 from hanzo_gym.engine.state_files import save_engine_state
 from hanzo_gym.errors import GymError, ModelError
-from hanzo_gym.files import publish_directory
+from hanzo_gym.files import held_exclusively, publish_directory
 from hanzo_gym.loops.grpo import GrpoResult, train_grpo
 from hanzo_gym.loops.hub_push import start_hub_push
 from hanzo_gym.loops.preference import PreferenceResult, train_preference
@@ -312,8 +313,14 @@ def training_data(cfg: Config, tokenizer: PreTrainedTokenizerBase, source: Model
 
 def run_training(cfg: Config, adapter_dir: Path | None = None) -> SftResult | GrpoResult | PreferenceResult:
     """Train and write the run directory (rank 0 only under torchrun). The final adapter goes to the run
-    directory's top level, or into `adapter_dir` (a folder of its own) when given."""
+    directory's top level, or into `adapter_dir` (a folder of its own) when given. output_dir is this run's
+    alone while it runs: a second `gym train` on it fails at once."""
     init_from_env(cfg.ddp_timeout)
+    with held_exclusively(Path(cfg.output_dir), "gym train") if is_main() else nullcontext():
+        return _train(cfg, adapter_dir)
+
+
+def _train(cfg: Config, adapter_dir: Path | None) -> SftResult | GrpoResult | PreferenceResult:
     refused = sharding_refusal(cfg, world_size())
     if refused:
         raise GymError(refused)

@@ -485,4 +485,4 @@ def tinker_api(
         if name in names:
             raise GymError(f"--tinker-model {name}: that name is already the served model's")
         names[name] = base_model
-    return TinkerAPI(service, names, **options)
+    return TinkerAPI(service, names, max_request_tokens=models.max_request_tokens, **options)

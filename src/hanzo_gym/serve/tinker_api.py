@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote
 
+import hanzo_gym.serve.tinker_fields as fields
 import hanzo_gym.serve.tinker_wire as wire
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.hub import model_key
 from hanzo_gym.records import AdamParams, ModelInput
+from hanzo_gym.serve.models import MAX_REQUEST_TOKENS
 from hanzo_gym.serve.tinker_runs import NotFound, TrainingRuns
 from hanzo_gym.serve.tinker_wire import WireError
 from hanzo_gym.tinker.sampling_client import SamplingClient
@@ -51,6 +53,7 @@ PROTO = "application/x-protobuf"
 JSON = "application/json"
 # Losses of the hosted service whose semantics are not public: refused by name, never silently replaced.
 HOSTED_ONLY_LOSSES = ("stable_reinforce", "gspo", "custom")
+MAX_LORA_RANK = 1024
 
 
 @dataclass
@@ -61,7 +64,9 @@ class Reply:
 
     @classmethod
     def json(cls, value: Any, status: int = 200) -> Reply:
-        return cls(status, json.dumps(value).encode())
+        return cls(
+            status, json.dumps(value, allow_nan=False).encode()
+        )  # NaN is not JSON: the SDK cannot read it
 
 
 class DirectError(GymError):
@@ -115,9 +120,11 @@ class TinkerAPI:
         service: ServiceClient,
         names: Mapping[str, str],
         long_poll_seconds: float = LONG_POLL_SECONDS,
+        max_request_tokens: int = MAX_REQUEST_TOKENS,
     ):
         self.service = service
         self.long_poll_seconds = long_poll_seconds
+        self.max_request_tokens = max_request_tokens  # what one asample may decode: num_samples × max_tokens
         self._bases: dict[str, _Base] = {}  # by every accepted name
         for name, base_model in names.items():
             key = model_key(base_model)
@@ -415,16 +422,19 @@ class TinkerAPI:
             raise WireError("lora_config must be an object")
         _check_optimizer(request.get("optimizer_config"))
         model_id = f"{session_id}:train:{seq_id}"
+        where = "lora_config."
+        settings = {
+            "rank": fields.integer(lora, "rank", 32, low=1, high=MAX_LORA_RANK, where=where),
+            "seed": fields.integer(lora, "seed", None, low=0, high=2**63 - 1, where=where),
+            **{
+                name: fields.flag(lora, name, True, where)
+                for name in ("train_mlp", "train_attn", "train_unembed")
+            },
+        }
 
         def create() -> dict:
             client = self.service.create_lora_training_client(
-                base.key,
-                rank=int(lora.get("rank", 32)),
-                seed=lora.get("seed"),
-                train_mlp=bool(lora.get("train_mlp", True)),
-                train_attn=bool(lora.get("train_attn", True)),
-                train_unembed=bool(lora.get("train_unembed", True)),
-                user_metadata=request.get("user_metadata"),
+                base.key, **settings, user_metadata=request.get("user_metadata")
             )
             with self._lock:
                 self._training[model_id] = _Trained(client, base)
@@ -589,18 +599,17 @@ class TinkerAPI:
             ("topk_sample_logprobs", "top-k logprobs of sampled tokens"),
             ("prompt_alt_tokens_k", "prompt alternative tokens"),
         ):
-            if int(request.get(name) or 0) > 0:
+            if fields.integer(request, name, 0, low=0) > 0:
                 raise WireError(f"{name}: {what} are not supported by this server")
         if request.get("target_prompt_logprobs") is not None:
             raise WireError("target_prompt_logprobs is not supported by this server")
         tokens = wire.prompt_tokens(request.get("prompt"))
-        num_samples = int(request.get("num_samples", 1))
+        num_samples = fields.integer(request, "num_samples", 1, low=1, high=self.max_request_tokens)
         params = wire.sampling_params(request.get("sampling_params") or {})
-        want_logprobs = bool(request.get("prompt_logprobs"))
-        topk = int(request.get("topk_prompt_logprobs") or 0)
-        last_n = request.get("prompt_logprobs_last_n")
-        if last_n is not None and not 1 <= int(last_n) <= len(tokens) - 1:
-            raise WireError(f"prompt_logprobs_last_n {last_n}: use 1 to len(prompt) - 1 = {len(tokens) - 1}")
+        self._check_sampling_cost(sampler, len(tokens), num_samples, params.max_tokens)
+        want_logprobs = fields.flag(request, "prompt_logprobs", False)
+        topk = fields.integer(request, "topk_prompt_logprobs", 0, low=0, high=wire.MAX_TOP_K)
+        last_n = fields.integer(request, "prompt_logprobs_last_n", None, low=1, high=max(len(tokens) - 1, 1))
 
         def start() -> concurrent.futures.Future:
             prompt = ModelInput.from_ints(tokens)
@@ -619,6 +628,29 @@ class TinkerAPI:
             return {"sample_sequence_ids": [f"{request_id}:{index}" for index in range(num_samples)]}
 
         return self._once(("sample", sampling_session_id, seq_id), start, encode, sequence_ids)
+
+    def _check_sampling_cost(
+        self, sampler: _Sampler, prompt: int, num_samples: int, max_tokens: int | None
+    ) -> None:
+        """num_samples × max_tokens (the rest of the context where max_tokens is not given) within
+        max_request_tokens, as the OpenAI side counts a request: refused before any decoding starts."""
+        context = sampler.client.context_length
+        room = None if context is None else context - prompt
+        per_sample = max_tokens if room is None else min(max_tokens or room, room)
+        if per_sample is None:
+            return  # no context length stated: the sampler asks for max_tokens itself
+        if num_samples * per_sample > self.max_request_tokens:
+            if max_tokens is None:
+                each = "the rest of the context: max_tokens is unset"
+            elif room is not None and max_tokens > room:
+                each = f"max_tokens {max_tokens}, cut to what the context leaves"
+            else:
+                each = "max_tokens"
+            raise WireError(
+                f"num_samples {num_samples} × {per_sample} tokens each ({each}) is {num_samples * per_sample} "
+                f"tokens, over this server's {self.max_request_tokens} per request (gym serve "
+                "--max-request-tokens); ask for fewer"
+            )
 
     _POSTS: ClassVar[dict[str, Callable[[TinkerAPI, dict], Any]]] = {
         "client/config": _client_config,
@@ -784,10 +816,15 @@ def _adam(params: Any) -> AdamParams:
     unknown = sorted(set(params) - set(names))
     if unknown:
         raise WireError(f"adam_params has unknown fields {unknown}; it takes {list(names)}")
-    try:
-        return AdamParams(**{name: float(params.get(name, getattr(defaults, name))) for name in names})
-    except (TypeError, ValueError):
-        raise WireError(f"adam_params must hold numbers: {params}") from None
+    where = "adam_params."
+    return AdamParams(
+        learning_rate=fields.number(params, "learning_rate", defaults.learning_rate, low=0, where=where),
+        beta1=fields.number(params, "beta1", defaults.beta1, low=0, high=0.999999, where=where),
+        beta2=fields.number(params, "beta2", defaults.beta2, low=0, high=0.999999, where=where),
+        eps=fields.number(params, "eps", defaults.eps, low=0, above=True, where=where),
+        weight_decay=fields.number(params, "weight_decay", defaults.weight_decay, low=0, where=where),
+        grad_clip_norm=fields.number(params, "grad_clip_norm", defaults.grad_clip_norm, low=0, where=where),
+    )
 
 
 def _tokenizer_id(base_model: str) -> str:

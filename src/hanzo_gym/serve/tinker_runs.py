@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hanzo_gym.errors import GymError
+from hanzo_gym.files import process_alive, remove_entry
 from hanzo_gym.model.lora import read_adapter_config
 from hanzo_gym.tinker.paths import KINDS, check_name, check_run_id
 from hanzo_gym.tinker.training_client import read_run_record
@@ -58,6 +59,13 @@ class TrainingRuns:
     def __init__(self, root: Path, display_name: Callable[[str], str]):
         self.root = root
         self.display_name = display_name
+        removed = sweep_leftovers(root)
+        if removed:
+            print(
+                f"{root}: removed {len(removed)} checkpoint(s) that a killed server left half-written or half-deleted "
+                f"({', '.join(removed[:3])}{', …' if len(removed) > 3 else ''})",
+                flush=True,
+            )
 
     def run(self, run_id: str) -> dict[str, Any]:
         return self._run_json(run_id, self._known_run(run_id))
@@ -172,6 +180,31 @@ def _plain_run_id(name: str) -> bool:
     except GymError:
         return False
     return not name.startswith(".")
+
+
+def sweep_leftovers(root: Path) -> list[str]:
+    """What a killed server left under each run's checkpoint folders, removed: a checkpoint being written
+    (`.NAME.tmp-PID`, `.NAME.old-PID` of a process that is gone) or being deleted (`.deleting-…`). Each is a
+    whole checkpoint's size, and none is ever listed or loaded. Returns their paths under `root`."""
+    removed = []
+    for folder in _kind_folders(root):
+        for entry in sorted(folder.glob(".*")):
+            pid = entry.name.rsplit("-", 1)[-1]
+            abandoned = entry.name.startswith(".deleting-") or (
+                pid.isdigit()
+                and (".tmp-" in entry.name or ".old-" in entry.name)
+                and not process_alive(int(pid))
+            )
+            if abandoned:
+                remove_entry(entry)
+                removed.append(str(entry.relative_to(root)))
+    return removed
+
+
+def _kind_folders(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return [run / kind for run in sorted(root.iterdir()) for kind in KINDS if (run / kind).is_dir()]
 
 
 def _iso(timestamp: float) -> str:

@@ -18,15 +18,15 @@ import numpy as np
 
 from hanzo_gym.errors import GymError
 from hanzo_gym.records import Datum, ModelInput, SampledSequence, SamplingParams, TensorData
+from hanzo_gym.serve.tinker_fields import WireError, integer, number, stop_sequences
 from hanzo_gym.tinker.paths import SCHEME as GYM_SCHEME
 
 TINKER_SCHEME = "tinker://"
 MAX_PROTO_BODY = 256 * 1024 * 1024  # a decompressed forward_backward body may not be larger
 EMPTY_TOPK_LOGPROB = -99999.0  # what the SDK reads as "no entry" in a top-k cell
-
-
-class WireError(GymError):
-    """A request the server cannot take as sent: the SDK gets it as a user error."""
+# The most a sampling request may ask for, checked before anything is allocated: tokens per sample, top-k.
+MAX_TOKENS = 1 << 20
+MAX_TOP_K = 1 << 20
 
 
 def proto():
@@ -116,9 +116,9 @@ def _datum(pb: Any, message: Any, index: int) -> Datum:
             raise WireError(
                 f"datum {index}: model_input holds a {kind} chunk; this server takes text tokens only"
             )
-        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
+        tokens.extend(_array(chunk.encoded_text.tokens, "<i4", f"datum {index}: model_input").tolist())
     inputs = {
-        name: _tensor(pb, tensor, f"datum {index}: loss_fn_inputs[{name!r}]")
+        name: _tensor(pb, tensor, f"datum {index}: loss_fn_inputs[{name!r}]", most=len(tokens))
         for name, tensor in message.loss_fn_inputs.items()
     }
     return Datum(ModelInput.from_ints(tokens), inputs)
@@ -127,23 +127,21 @@ def _datum(pb: Any, message: Any, index: int) -> Datum:
 _WIRE_DTYPES = {1: ("float32", "<f4"), 2: ("int64", "<i8"), 3: ("int64", "<i4")}  # FLOAT32, INT64, INT32
 
 
-def _tensor(pb: Any, message: Any, what: str) -> TensorData:
+def _tensor(pb: Any, message: Any, what: str, most: int) -> TensorData:
+    """The tensor, refused before any allocation when its shape holds more than `most` values (a loss input
+    has one value per token of its datum, so a shape is never taken on the client's word)."""
     if message.dtype not in _WIRE_DTYPES:
         raise WireError(f"{what}: dtype {pb.DType.Name(message.dtype)} is not supported (float32 or int64)")
     dtype, numpy_dtype = _WIRE_DTYPES[message.dtype]
     shape = [int(s) for s in message.shape]
+    if any(size < 0 for size in shape) or math.prod(shape) > most:
+        raise WireError(
+            f"{what}: shape {shape} does not fit its datum's {most} tokens (one value per token of model_input)"
+        )
     if message.WhichOneof("encoding") == "sparse_csr":
-        values = np.frombuffer(message.sparse_csr.values, dtype=numpy_dtype)
-        crow = np.frombuffer(message.sparse_csr.crow_indices, dtype="<i8")
-        cols = np.frombuffer(message.sparse_csr.col_indices, dtype="<i8")
-        if len(shape) != 2 or len(crow) != shape[0] + 1 or len(cols) != len(values):
-            raise WireError(f"{what}: a sparse CSR tensor needs a 2-D shape and matching index arrays")
-        dense = np.zeros(shape, dtype=numpy_dtype)
-        rows = np.repeat(np.arange(shape[0]), np.diff(crow))
-        dense[rows, cols] = values
-        array = dense
+        array = _dense_of_csr(message.sparse_csr, shape, numpy_dtype, what)
     else:
-        array = np.frombuffer(message.dense, dtype=numpy_dtype)
+        array = _array(message.dense, numpy_dtype, what)
         if shape and math.prod(shape) != array.size:
             raise WireError(f"{what}: shape {shape} does not hold {array.size} values")
     if not shape:
@@ -151,6 +149,31 @@ def _tensor(pb: Any, message: Any, what: str) -> TensorData:
     return TensorData(
         array.astype(np.int64 if dtype == "int64" else np.float32).reshape(-1).tolist(), dtype, shape
     )
+
+
+def _array(data: bytes, numpy_dtype: str, what: str) -> np.ndarray:
+    if len(data) % np.dtype(numpy_dtype).itemsize:
+        raise WireError(f"{what}: {len(data)} bytes are not whole {numpy_dtype} values")
+    return np.frombuffer(data, dtype=numpy_dtype)
+
+
+def _dense_of_csr(csr: Any, shape: list[int], numpy_dtype: str, what: str) -> np.ndarray:
+    """A sparse CSR tensor made dense, its index arrays checked against its shape first."""
+    values = _array(csr.values, numpy_dtype, what)
+    crow, cols = _array(csr.crow_indices, "<i8", what), _array(csr.col_indices, "<i8", what)
+    if len(shape) != 2 or len(crow) != shape[0] + 1 or len(cols) != len(values):
+        raise WireError(f"{what}: a sparse CSR tensor needs a 2-D shape and matching index arrays")
+    steps = np.diff(crow)
+    if (
+        crow[0] != 0
+        or crow[-1] != len(values)
+        or (steps < 0).any()
+        or ((cols < 0) | (cols >= shape[1])).any()
+    ):
+        raise WireError(f"{what}: the CSR row pointers or column indices do not fit shape {shape}")
+    dense = np.zeros(shape, dtype=numpy_dtype)
+    dense[np.repeat(np.arange(shape[0]), steps), cols] = values
+    return dense
 
 
 def encode_forward_backward_output(
@@ -202,14 +225,17 @@ def sampling_params(body: Any) -> SamplingParams:
     unknown = sorted(set(body) - known)
     if unknown:
         raise WireError(f"sampling_params has unknown fields {unknown}; it takes {sorted(known)}")
-    defaults = SamplingParams()
+    defaults, where = SamplingParams(), "sampling_params."
+    top_k = integer(body, "top_k", defaults.top_k, low=-1, high=MAX_TOP_K, where=where)
+    if top_k == 0:
+        raise WireError("`sampling_params.top_k` must be -1 (no limit) or at least 1, not 0")
     return SamplingParams(
-        max_tokens=body.get("max_tokens"),
-        seed=body.get("seed"),
-        stop=body.get("stop"),
-        temperature=float(body.get("temperature", defaults.temperature)),
-        top_k=int(body.get("top_k", defaults.top_k)),
-        top_p=float(body.get("top_p", defaults.top_p)),
+        max_tokens=integer(body, "max_tokens", None, low=1, high=MAX_TOKENS, where=where),
+        seed=integer(body, "seed", None, low=0, high=2**63 - 1, where=where),
+        stop=stop_sequences(body.get("stop")),
+        temperature=number(body, "temperature", defaults.temperature, low=0, high=100, where=where),
+        top_k=top_k,
+        top_p=number(body, "top_p", defaults.top_p, low=0, high=1, above=True, where=where),
     )
 
 

@@ -32,6 +32,11 @@ class SamplingClient:
             # The adapter slot lives as long as this client; many are created in a loop, one per step.
             weakref.finalize(self, host.retire, adapter)
 
+    @property
+    def context_length(self) -> int | None:
+        """The most tokens a prompt and its completion may hold together (None where the model states none)."""
+        return getattr(self._host.model.config, "max_position_embeddings", None)
+
     def sample(
         self,
         prompt: ModelInput,

@@ -7,6 +7,7 @@ Every call returns a future at once and runs on the client's own worker in submi
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,16 @@ class TrainingClient:
             raise GymError(f"optim_step takes types.AdamParams, not {type(adam_params).__name__}")
         if adam_params.learning_rate < 0:
             raise GymError(f"learning_rate must be >= 0 (got {adam_params.learning_rate})")
-        return self._submit(lambda: OptimStepResponse(metrics=self._engine.optim_step(adam_params)))
+        return self._submit(self._optim_step, adam_params)
+
+    def _optim_step(self, adam_params: AdamParams) -> OptimStepResponse:
+        metrics = self._engine.optim_step(adam_params)
+        if not math.isfinite(metrics["grad_norm"]):
+            raise GymError(
+                f"optim_step refused: the gradients since the last step are not finite (grad_norm "
+                f"{metrics['grad_norm']}); they were dropped, and the weights and optimizer state are as they were"
+            )
+        return OptimStepResponse(metrics=metrics)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def save_state(
