@@ -120,6 +120,7 @@ def test_bf16_is_mixed_precision_over_fp32_weights(tmp_path, tiny_base, chat_dat
     fp32 = build_engine(cfg, LoadPlan.from_config(cfg, torch.device("cpu"), torch.float32), qwen3_tokenizer)
     assert fp32.forward_backward(datums, "cross_entropy").loss_sum != out.loss_sum  # bf16 matmuls did run
 
+    capsys.readouterr()  # what building the engines above said
     assert (
         main(["train", str(_full_run(tmp_path, tiny_base, chat_data, "bf16", bf16=True, max_steps=2))]) == 0
     )
