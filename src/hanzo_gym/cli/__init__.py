@@ -95,6 +95,9 @@ def _serve(args: argparse.Namespace) -> None:
         args.tinker_model,
         {"auto": "auto", "true": True, "false": False}[args.bf16],
         tinker_sampler=args.tinker_sampler,
+        api_keys=args.api_key,
+        api_key_file=args.api_key_file,
+        insecure_no_auth=args.insecure_no_auth,
     )
 
 
@@ -139,9 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     preprocess.add_argument("config", help=CONFIG_HELP)
     preprocess.set_defaults(handler=_preprocess)
 
-    merge = _command(
-        commands, "merge", "fold the trained adapter into the base model", "docs/commands.md"
-    )
+    merge = _command(commands, "merge", "fold the trained adapter into the base model", "docs/commands.md")
     merge.add_argument("config", help=CONFIG_HELP)
     merge.add_argument("--out", help="destination folder (default: <output_dir>/merged)")
     merge.add_argument("--checkpoint", help="merge checkpoint-N instead of the final adapter")
@@ -253,6 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the config key's values: auto (default) is bf16 where the device multiplies it natively (a "
         "CUDA GPU, a CPU with avx512_bf16 or AMX), else fp32; the first line says which",
+    )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="accept requests carrying this key (Authorization: Bearer KEY, or X-API-Key: KEY as the tinker SDK "
+        "sends it; its keys start with tml-); each key is a user, whose Tinker runs and checkpoints no other key "
+        "sees; repeatable; also $VLLM_API_KEY",
+    )
+    serve.add_argument("--api-key-file", metavar="PATH", help="more keys, one a line (# comments)")
+    serve.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve a non-loopback --host without keys: whoever reaches it may use and delete everything",
     )
     serve.add_argument("--verbose", action="store_true", help="log every request")
     serve.set_defaults(handler=_serve)

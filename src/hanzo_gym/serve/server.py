@@ -24,6 +24,7 @@ from hanzo_gym.errors import GymError
 from hanzo_gym.host.model_host import ModelHost
 from hanzo_gym.model.hub import choose_precision, model_key, resolve_model
 from hanzo_gym.serve.api import chat, complete
+from hanzo_gym.serve.api_keys import KEY_ENV, LOCAL_USER, ApiKeys, is_loopback
 from hanzo_gym.serve.models import ServedModels
 from hanzo_gym.serve.protocol import (
     APIError,
@@ -37,6 +38,8 @@ from hanzo_gym.serve.tinker_api import PREFIX as TINKER_PREFIX
 from hanzo_gym.serve.tinker_api import TinkerAPI
 
 MAX_BODY = 16 * 1024 * 1024
+# What answers without a key: a load balancer's or an orchestrator's health probe.
+UNGUARDED = ("/health", TINKER_PREFIX + "healthz")
 POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 GET_ROUTES = ("/v1/models", "/health")
 
@@ -48,6 +51,7 @@ class _HTTPServer(ThreadingHTTPServer):
     models: ServedModels
     verbose: bool
     tinker: TinkerAPI | None = None  # with `gym serve --tinker`: Tinker's /api/v1/* beside OpenAI's /v1/*
+    keys: ApiKeys  # who may use it (no keys: whoever reaches a loopback address)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if self.verbose:
@@ -83,8 +87,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         self._body_read = False
         path = urlsplit(self.path).path
+        user = self.server.keys.user_of(self.headers)
+        if user is None and path.rstrip("/") not in UNGUARDED:
+            self._refuse_without_key(path)
+            return
         if self.server.tinker is not None and path.startswith(TINKER_PREFIX):
-            self._tinker(path)
+            self._tinker(path, user or LOCAL_USER)
             return
         try:
             result = self._route(urlsplit(self.path).path.rstrip("/") or "/")
@@ -131,15 +139,25 @@ class _Handler(BaseHTTPRequestHandler):
         models.unload(name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
-    def _tinker(self, path: str) -> None:
+    def _tinker(self, path: str, user: str) -> None:
         """A Tinker SDK request: the body as bytes (protobuf or JSON) to the Tinker API, its reply back."""
         try:
             body = self._read_body()
         except APIError as error:
             self._send_json(error.status, {"error": error.message, "category": "user"})
             return
-        reply = self.server.tinker.handle(self.command, path, self.headers, body, urlsplit(self.path).query)
+        query = urlsplit(self.path).query
+        reply = self.server.tinker.handle(self.command, path, self.headers, body, query, user=user)
         self._send(reply.status, reply.body, reply.content_type)
+
+    def _refuse_without_key(self, path: str) -> None:
+        """A 401 in the form each client reads: OpenAI's error object, or the Tinker SDK's user error."""
+        message = "this server needs an API key: send it as `Authorization: Bearer KEY` or `X-API-Key: KEY`"
+        if path.startswith(TINKER_PREFIX):
+            body: Any = {"error": message, "category": "user"}
+        else:
+            body = APIError(message, 401, "invalid_request_error", code="invalid_api_key").body()
+        self._send_json(401, body)
 
     def _read_body(self) -> bytes:
         """The request body, sent with a Content-Length or chunked (at most MAX_BODY bytes either way)."""
@@ -298,9 +316,13 @@ class Server:
         port: int = 8000,
         verbose: bool = False,
         tinker: TinkerAPI | None = None,
+        keys: ApiKeys | None = None,
+        insecure_no_auth: bool = False,
     ):
         self.models = models
         self.tinker = tinker
+        keys = keys or ApiKeys([])
+        check_exposure(keys, bind, tinker is not None, insecure_no_auth)
         server_class = _IPv6HTTPServer if ":" in bind else _HTTPServer
         try:
             self.httpd = server_class((bind, port), _Handler)
@@ -309,6 +331,7 @@ class Server:
         self.httpd.models = models
         self.httpd.verbose = verbose
         self.httpd.tinker = tinker
+        self.httpd.keys = keys
         self.bind = bind
         self._thread: threading.Thread | None = None
 
@@ -329,9 +352,10 @@ class Server:
     def banner(self) -> str:
         text = f"serving {', '.join(self.models.names())} on {self.url}"
         if self.tinker is not None:
-            text += (
-                f"; Tinker API on {self.base_url} (TINKER_BASE_URL={self.base_url} TINKER_API_KEY=tml-local)"
-            )
+            key = "one of the server's keys" if self.httpd.keys.required else "tml-local"
+            text += f"; Tinker API on {self.base_url} (TINKER_BASE_URL={self.base_url} TINKER_API_KEY={key})"
+        if self.httpd.keys.required:
+            text += "; requests need an API key"
         return text
 
     def start(self) -> Self:
@@ -360,6 +384,16 @@ class Server:
         self.stop()
 
 
+def check_exposure(keys: ApiKeys, bind: str, tinker: bool, insecure_no_auth: bool) -> None:
+    """A server without keys listens on a loopback address only, unless told --insecure-no-auth."""
+    if not keys.required and not is_loopback(bind) and not insecure_no_auth:
+        raise GymError(
+            f"--host {bind} without an API key would let anyone who reaches this machine use "
+            f"{'every run, checkpoint and adapter on it' if tinker else 'its models and adapters'}: give "
+            f"--api-key KEY (or --api-key-file, or ${KEY_ENV}), or --insecure-no-auth to serve without keys"
+        )
+
+
 def serve(
     host: ModelHost,
     adapters: dict[str, str] | None = None,
@@ -372,6 +406,8 @@ def serve(
     tinker: bool = False,
     tinker_models: dict[str, str] | None = None,
     tinker_sampler: str = "builtin",
+    keys: ApiKeys | None = None,
+    insecure_no_auth: bool = False,
 ) -> None:
     """Serve `host`'s base model and `adapters` (name → PEFT folder or gym:// path) until interrupted; with
     `tinker`, Tinker's training and sampling API too (checkpoints under $HANZO_GYM_RUNS), on `host` and on
@@ -382,7 +418,7 @@ def serve(
     except APIError as error:
         raise GymError(error.message) from None
     api = tinker_api(models, more_models=tinker_models, sampler=tinker_sampler) if tinker else None
-    server = Server(models, bind, port, verbose, api)
+    server = Server(models, bind, port, verbose, api, keys, insecure_no_auth)
     print(server.banner(), flush=True)
     try:
         server.serve_forever()
@@ -418,9 +454,14 @@ def run_serve(
     tinker_model_specs: list[str] | None = None,
     bf16: str | bool = "auto",
     tinker_sampler: str = "builtin",
+    api_keys: list[str] | None = None,
+    api_key_file: str | None = None,
+    insecure_no_auth: bool = False,
 ) -> None:
     """`gym serve`: load the base model once, in the precision `bf16` picks (the config key's values), then
-    serve it with its adapters."""
+    serve it with its adapters, to the holders of `api_keys` (and the file's, and $VLLM_API_KEY's) only."""
+    keys = ApiKeys.from_sources(api_keys, api_key_file)
+    check_exposure(keys, bind, tinker, insecure_no_auth)  # before the model loads: refused in a moment
     adapters = parse_named_paths(adapter_specs, "--adapter", "a PEFT adapter folder or a gym:// path")
     tinker_models = parse_named_paths(
         tinker_model_specs, "--tinker-model", "a base model: hub id, local folder or .gguf file"
@@ -454,7 +495,21 @@ def run_serve(
     precision = choose_precision(bf16)
     print(precision.describe(), flush=True)
     host = ModelHost(model, precision.device, precision.dtype)
-    serve(host, adapters, bind, port, renderer, name, verbose, limits, tinker, tinker_models, tinker_sampler)
+    serve(
+        host,
+        adapters,
+        bind,
+        port,
+        renderer,
+        name,
+        verbose,
+        limits,
+        tinker,
+        tinker_models,
+        tinker_sampler,
+        keys,
+        insecure_no_auth,
+    )
 
 
 def tinker_api(

@@ -36,6 +36,7 @@ import hanzo_gym.serve.tinker_wire as wire
 from hanzo_gym.errors import GymError
 from hanzo_gym.model.hub import model_key
 from hanzo_gym.records import AdamParams, ModelInput
+from hanzo_gym.serve.api_keys import LOCAL_USER
 from hanzo_gym.serve.models import MAX_REQUEST_TOKENS
 from hanzo_gym.serve.tinker_runs import NotFound, TrainingRuns
 from hanzo_gym.serve.tinker_wire import WireError
@@ -106,6 +107,7 @@ class _Sampler:
 class _Pending:
     future: concurrent.futures.Future
     encode: Callable[[Any], Reply]
+    owner: str = LOCAL_USER  # the user who submitted it: only they may fetch it
     created: float = field(default_factory=time.monotonic)
     reply: Reply | None = None
     delivered: float | None = None  # when the result was first sent
@@ -134,7 +136,8 @@ class TinkerAPI:
             for alias in (name, base_model, key):
                 self._bases.setdefault(alias, base)
         self._lock = threading.Lock()
-        self._sessions: dict[str, float] = {}
+        self._session_owners: dict[str, str] = {}  # session id → the user whose key made it
+        self._caller = threading.local()  # the user of the request this thread is answering
         self._training: dict[str, _Trained] = {}
         self._sampling: dict[str, _Sampler] = {}
         self._futures: dict[str, _Pending] = {}
@@ -150,10 +153,19 @@ class TinkerAPI:
 
     # -- dispatch ------------------------------------------------------------------------------------------
     def handle(
-        self, method: str, path: str, headers: Mapping[str, str], body: bytes, query: str = ""
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        query: str = "",
+        user: str = LOCAL_USER,
     ) -> Reply:
-        """The reply to one request (`query`: the URL's query string); never raises."""
+        """The reply to one request (`query`: the URL's query string) made with `user`'s key; never raises.
+        What a user made (sessions, models, samplers, futures, runs and their checkpoints) is theirs: to
+        anyone else it does not exist."""
         endpoint = path[len(PREFIX) :].strip("/") if path.startswith(PREFIX) else path
+        self._caller.user = user
         try:
             if method == "GET":
                 return self._get(endpoint, parse_qs(query))
@@ -184,13 +196,13 @@ class TinkerAPI:
         parts = [unquote(part) for part in endpoint.split("/")]
         if parts[0] == "training_runs" and len(parts) <= 3:
             if len(parts) == 1:
-                return Reply.json(self.runs.runs(*_page(query, 20)))
+                return Reply.json(self.runs.runs(*_page(query, 20), user=self._me))
             if len(parts) == 2:
-                return Reply.json(self.runs.run(parts[1]))
+                return Reply.json(self.runs.run(parts[1], self._me))
             if parts[2] == "checkpoints":
-                return Reply.json(self.runs.checkpoints(parts[1]))
+                return Reply.json(self.runs.checkpoints(parts[1], self._me))
         if endpoint == "checkpoints":
-            return Reply.json(self.runs.all_checkpoints(*_page(query, 100)))
+            return Reply.json(self.runs.all_checkpoints(*_page(query, 100), user=self._me))
         if endpoint == "healthz":
             return Reply.json({"status": "ok"})
         if endpoint == "get_server_capabilities":
@@ -208,7 +220,9 @@ class TinkerAPI:
 
     # -- direct endpoints ----------------------------------------------------------------------------------
     def _weights_info(self, request: dict) -> dict:
-        return self.runs.weights_info(*_checkpoint_address(_field(request, "tinker_path", str)))
+        return self.runs.weights_info(
+            *_checkpoint_address(_field(request, "tinker_path", str)), user=self._me
+        )
 
     def _delete_checkpoint(self, endpoint: str) -> Reply:
         """DELETE training_runs/<run>/checkpoints/<weights|sampler_weights>/<name> (the SDK's checkpoint_id is
@@ -216,7 +230,7 @@ class TinkerAPI:
         parts = [unquote(part) for part in endpoint.split("/")]
         if len(parts) != 5 or parts[2] != "checkpoints":
             raise DirectError(f"no such endpoint: DELETE {PREFIX}{endpoint}", 404)
-        self.runs.delete(parts[1], parts[3], parts[4])
+        self.runs.delete(parts[1], parts[3], parts[4], self._me)
         return Reply.json({})
 
     def _client_config(self, _: dict) -> dict:
@@ -229,7 +243,7 @@ class TinkerAPI:
     def _create_session(self, request: dict) -> dict:
         session_id = f"session-{uuid.uuid4().hex[:12]}"
         with self._lock:
-            self._sessions[session_id] = time.time()
+            self._session_owners[session_id] = self._me
         return {"type": "create_session", "session_id": session_id}
 
     def _heartbeat(self, _: dict) -> dict:
@@ -257,7 +271,7 @@ class TinkerAPI:
         }
 
     def _create_sampling_session(self, request: dict) -> dict:
-        session_id = _field(request, "session_id", str)
+        session_id = self._own_session(_field(request, "session_id", str))
         seq_id = _field(request, "sampling_session_seq_id", int)
         sampling_session_id = f"{session_id}:sample:{seq_id}"
         with self._lock:
@@ -270,7 +284,7 @@ class TinkerAPI:
         base = self._base(base_model) if base_model is not None else None
         if model_path is not None:
             client = self.service.create_sampling_client(
-                model_path=wire.to_gym_path(str(model_path)), base_model=base.key if base else None
+                model_path=self._owned_path(str(model_path), self._me), base_model=base.key if base else None
             )
             base = base or self._base_of(client.get_base_model())
         else:
@@ -303,7 +317,7 @@ class TinkerAPI:
         """Under the lock when `key` is given (the caller checked it is new)."""
         request_id = f"req-{uuid.uuid4().hex}"
         reply = {"request_id": request_id, **(extra(request_id) if extra else {})}
-        self._futures[request_id] = _Pending(future, encode)
+        self._futures[request_id] = _Pending(future, encode, owner=self._me)
         if key is not None:
             self._submits[key] = reply
         self._expire()
@@ -384,6 +398,8 @@ class TinkerAPI:
         request_id = _field(request, "request_id", str)
         with self._lock:
             pending = self._futures.get(request_id)
+            if pending is not None and pending.owner != self._me:
+                pending = None  # another user's: as unknown as one that never was
             now = time.monotonic()
             for trained in self._training.values():
                 if trained.held:
@@ -414,7 +430,8 @@ class TinkerAPI:
         return pending.reply
 
     def _create_model(self, request: dict) -> dict:
-        session_id = _field(request, "session_id", str)
+        session_id = self._own_session(_field(request, "session_id", str))
+        owner = self._me
         seq_id = _field(request, "model_seq_id", int)
         base = self._base(_field(request, "base_model", str))
         lora = request.get("lora_config") or {}
@@ -436,6 +453,7 @@ class TinkerAPI:
             client = self.service.create_lora_training_client(
                 base.key, **settings, user_metadata=request.get("user_metadata")
             )
+            self.runs.set_owner(client.run_id, owner)
             with self._lock:
                 self._training[model_id] = _Trained(client, base)
             return {"type": "create_model", "model_id": model_id}
@@ -540,9 +558,10 @@ class TinkerAPI:
         model_id = request.get("model_id")
         if model_id is not None:  # legacy addressing: load into an existing training client
             trained = self._trained(str(model_id))
+            user = self._me  # `load` may start on another request's thread, at its turn
 
             def load() -> concurrent.futures.Future:
-                path = wire.to_gym_path(_field(request, "path", str))
+                path = self._owned_path(_field(request, "path", str), user)
                 client = trained.client
                 return (client.load_state_with_optimizer if with_optimizer else client.load_state)(
                     path
@@ -555,8 +574,9 @@ class TinkerAPI:
 
             return self._in_order(trained, str(model_id), request.get("seq_id"), load, encode_legacy)
         # Create-via-load: a new training client from a checkpoint, under the id the SDK derives itself.
-        path = wire.to_gym_path(_field(request, "path", str))
-        session_id = _field(request, "session_id", str)
+        owner = self._me
+        path = self._owned_path(_field(request, "path", str), owner)
+        session_id = self._own_session(_field(request, "session_id", str))
         seq_id = _field(request, "model_seq_id", int)
         base = self._base(request["base_model"]) if request.get("base_model") else None
         if not with_optimizer:
@@ -573,6 +593,7 @@ class TinkerAPI:
                 path, base_model=base.key if base else None, user_metadata=request.get("user_metadata")
             )
             trained = _Trained(client, base or self._base_of(client.get_info().model_name))
+            self.runs.set_owner(client.run_id, owner)
             with self._lock:
                 self._training[new_id] = trained
             return {"type": "load_weights", "path": wire.to_tinker_path(path), "model_id": new_id}
@@ -581,6 +602,8 @@ class TinkerAPI:
 
     def _unload_model(self, request: dict) -> dict:
         model_id = _field(request, "model_id", str)
+        if self._owner_of(model_id) != self._me:
+            self._trained(model_id)  # another user's: as unknown as one never made
         with self._lock:
             trained = self._training.pop(model_id, None)
             if trained is not None:
@@ -703,9 +726,37 @@ class TinkerAPI:
         key = model_key(base_model)
         return self._bases.get(key) or _Base(base_model, key, _tokenizer_id(base_model))
 
+    @property
+    def _me(self) -> str:
+        return getattr(self._caller, "user", LOCAL_USER)
+
+    def _owner_of(self, identifier: str) -> str:
+        """The user who owns a session, or a model or sampler made in it (`{session}:train:{n}`)."""
+        return self._session_owners.get(identifier.split(":", 1)[0], LOCAL_USER)
+
+    def _own_session(self, session_id: str) -> str:
+        if self._owner_of(session_id) != self._me:
+            raise WireError(f"unknown session {session_id!r}: create one with create_session")
+        return session_id
+
+    def _owned_path(self, path: str, user: str) -> str:
+        """A checkpoint path a client sent, as the in-process clients take it, once it is known to be one of
+        the caller's own runs (another user's, or a folder of the server's, does not exist for it)."""
+        gym_path = wire.to_gym_path(path)
+        if not path.startswith(wire.TINKER_SCHEME):
+            if user != LOCAL_USER:
+                raise NotFound(
+                    f"{path!r}: a checkpoint on this server is a tinker://<run>/<kind>/<name> path"
+                )
+            return gym_path  # a server without keys: its one user may name a folder
+        self.runs.require_owner(_checkpoint_address(path)[0], user)
+        return gym_path
+
     def _trained(self, model_id: str, error: Callable[[str], GymError] = WireError) -> _Trained:
         with self._lock:
             trained = self._training.get(model_id)
+            if trained is not None and self._owner_of(model_id) != self._me:
+                trained = None
         if trained is None:
             raise error(f"unknown model_id {model_id!r}: create it with create_model (or load_weights)")
         return trained
@@ -713,6 +764,8 @@ class TinkerAPI:
     def _sampler(self, sampling_session_id: str, error: Callable[[str], GymError] = WireError) -> _Sampler:
         with self._lock:
             sampler = self._sampling.get(sampling_session_id)
+            if sampler is not None and self._owner_of(sampling_session_id) != self._me:
+                sampler = None
         if sampler is None:
             raise error(
                 f"unknown sampling session {sampling_session_id!r}: it was never made here, or it is an old "

@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from hanzo_gym.errors import GymError
-from hanzo_gym.files import process_alive, remove_entry
+from hanzo_gym.files import atomic_write_text, process_alive, remove_entry
 from hanzo_gym.model.lora import read_adapter_config
+from hanzo_gym.serve.api_keys import LOCAL_USER
 from hanzo_gym.tinker.paths import KINDS, check_name, check_run_id
 from hanzo_gym.tinker.training_client import read_run_record
 
 CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}  # folder kind → Tinker's type
-OWNER = "local"  # every run on a local server belongs to whoever runs it
+OWNER = "local"  # what the REST view names as every run's model_owner
+OWNER_FILE = ".owner"  # in a run's folder: the user (a digest of the API key) whose key made it
 
 
 class NotFound(GymError):
@@ -67,18 +69,39 @@ class TrainingRuns:
                 flush=True,
             )
 
-    def run(self, run_id: str) -> dict[str, Any]:
-        return self._run_json(run_id, self._known_run(run_id))
+    # -- who owns a run ------------------------------------------------------------------------------------
+    def set_owner(self, run_id: str, user: str) -> None:
+        """Record the user whose key made the run (a server without keys has one user, LOCAL_USER)."""
+        check_run_id(run_id)
+        (self.root / run_id).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.root / run_id / OWNER_FILE, user)
 
-    def _known_run(self, run_id: str) -> list[_Checkpoint]:
+    def owner(self, run_id: str) -> str:
+        try:
+            return (self.root / run_id / OWNER_FILE).read_text(encoding="utf-8").strip()
+        except OSError:
+            return LOCAL_USER  # made in-process, or before servers had keys
+
+    def require_owner(self, run_id: str, user: str) -> None:
+        """NotFound, as for a run that does not exist, unless `user` owns it: existence is private too."""
+        check_run_id(run_id)
+        if self.owner(run_id) != user:
+            raise NotFound(f"no training run {run_id!r} here")
+
+    # -- the REST view ---------------------------------------------------------------------------------------
+    def run(self, run_id: str, user: str = LOCAL_USER) -> dict[str, Any]:
+        return self._run_json(run_id, self._known_run(run_id, user))
+
+    def _known_run(self, run_id: str, user: str) -> list[_Checkpoint]:
+        self.require_owner(run_id, user)
         checkpoints = self._checkpoints(run_id)
         if not checkpoints:
-            raise NotFound(f"no training run {run_id!r} here: it has saved no checkpoint under {self.root}")
+            raise NotFound(f"no training run {run_id!r} here: it has saved no checkpoint")
         return checkpoints
 
-    def runs(self, limit: int, offset: int) -> dict[str, Any]:
-        """Newest first, as the hosted service lists them."""
-        found = [(run_id, self._checkpoints(run_id)) for run_id in self._run_ids()]
+    def runs(self, limit: int, offset: int, user: str = LOCAL_USER) -> dict[str, Any]:
+        """Newest first, as the hosted service lists them; only `user`'s."""
+        found = [(run_id, self._checkpoints(run_id)) for run_id in self._run_ids(user)]
         found = [(run_id, ckpts) for run_id, ckpts in found if ckpts]
         found.sort(key=lambda item: max(c.modified for c in item[1]), reverse=True)
         page = found[offset : offset + limit]
@@ -87,18 +110,19 @@ class TrainingRuns:
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
         }
 
-    def checkpoints(self, run_id: str) -> dict[str, Any]:
-        return {"checkpoints": [c.as_json() for c in self._known_run(run_id)]}
+    def checkpoints(self, run_id: str, user: str = LOCAL_USER) -> dict[str, Any]:
+        return {"checkpoints": [c.as_json() for c in self._known_run(run_id, user)]}
 
-    def all_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
-        every = [c for run_id in self._run_ids() for c in self._checkpoints(run_id)]
+    def all_checkpoints(self, limit: int, offset: int, user: str = LOCAL_USER) -> dict[str, Any]:
+        every = [c for run_id in self._run_ids(user) for c in self._checkpoints(run_id)]
         every.sort(key=lambda c: c.modified, reverse=True)
         return {
             "checkpoints": [c.as_json() for c in every[offset : offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(every)},
         }
 
-    def weights_info(self, run_id: str, kind: str, name: str) -> dict[str, Any]:
+    def weights_info(self, run_id: str, kind: str, name: str, user: str = LOCAL_USER) -> dict[str, Any]:
+        self.require_owner(run_id, user)
         checkpoint = self._checkpoint(run_id, kind, name)
         config = read_adapter_config(checkpoint.folder)
         record = checkpoint.record
@@ -111,18 +135,20 @@ class TrainingRuns:
             "train_unembed": record.get("train_unembed"),
         }
 
-    def delete(self, run_id: str, kind: str, name: str) -> None:
+    def delete(self, run_id: str, kind: str, name: str, user: str = LOCAL_USER) -> None:
         """Moved aside, then removed: a crash midway leaves no half checkpoint under its name."""
+        self.require_owner(run_id, user)
         checkpoint = self._checkpoint(run_id, kind, name)
         trash = checkpoint.folder.with_name(f".deleting-{name}-{uuid.uuid4().hex[:8]}")
         checkpoint.folder.rename(trash)
         shutil.rmtree(trash, ignore_errors=True)
 
     # -- reading the folders -------------------------------------------------------------------------------
-    def _run_ids(self) -> list[str]:
+    def _run_ids(self, user: str) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _plain_run_id(p.name))
+        found = (p.name for p in self.root.iterdir() if p.is_dir() and _plain_run_id(p.name))
+        return sorted(run_id for run_id in found if self.owner(run_id) == user)
 
     def _checkpoints(self, run_id: str) -> list[_Checkpoint]:
         """The run's finished checkpoints, oldest first (a folder still being written is not one yet)."""
