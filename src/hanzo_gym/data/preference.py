@@ -371,5 +371,36 @@ def load_preferences(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LoadedP
     return LoadedPreferences(train, val, [*stats, total_stats(stats)], duplicates)
 
 
+def unteachable_notes(train: list, method: str) -> list[str]:
+    """What in the training items cannot teach, said at load with counts: pairs whose chosen and rejected
+    completions are the same (the preference term of their loss does not depend on the weights), or a KTO set
+    with one label only."""
+    if not train:
+        return []
+    if isinstance(train[0], KtoExample):
+        desirable = sum(item.desirable for item in train)
+        if 0 < desirable < len(train):
+            return []
+        kind, other = ("desirable", "undesirable") if desirable else ("undesirable", "desirable")
+        message = (
+            f"all {len(train)} KTO training examples are {kind}, none {other}: KTO weighs one kind against "
+            "the other, so check the label field (`label`, true for desirable)"
+        )
+        return [message]
+    same = sum(pair.chosen == pair.rejected for pair in train)
+    if not same:
+        return []
+    taught = (
+        "only ORPO's NLL of the chosen completion trains on them"
+        if method == "orpo"
+        else "they teach nothing"
+    )
+    message = (
+        f"{same} of {len(train)} training pairs have the same chosen and rejected completion: their preference "
+        f"term is the same whatever the weights, so {taught} (check field_chosen / field_rejected)"
+    )
+    return [message]
+
+
 def _where(row: Row) -> str:
     return f"{row.file} row {row.line}"

@@ -18,7 +18,7 @@ from hanzo_gym.config.sharding_keys import sharding_refusal
 from hanzo_gym.data.bench import bench_questions, bench_rows
 from hanzo_gym.data.dataset import excess_length_note, load_examples
 from hanzo_gym.data.debug_print import describe_item
-from hanzo_gym.data.preference import load_preferences
+from hanzo_gym.data.preference import load_preferences, unteachable_notes
 from hanzo_gym.data.prepared import load_prepared
 from hanzo_gym.data.prompts import load_prompts
 from hanzo_gym.engine import Engine
@@ -278,6 +278,8 @@ def load_run_data(
     say(note)
     if data.duplicates:
         say(f"dataset_exact_deduplication: left out {data.duplicates} duplicate {what}")
+    if cfg.rl in PREFERENCE_METHODS:
+        say(*unteachable_notes(data.train, cfg.rl))
     if cfg.rl == "grpo" and data.dropped:
         say(f"dropped {data.dropped} prompts longer than sequence_len {cfg.sequence_len}")
     if cfg.debug and data.train:
