@@ -710,16 +710,22 @@ def test_gym_train_kto_learns(tmp_path, tiny_base):
 def test_pairs_and_kto_sets_that_cannot_teach_are_said_with_counts():
     from hanzo_gym.data.preference import KtoExample, PreferencePair, unteachable_notes
 
-    pairs = [PreferencePair([1, 2], [3], [4]), PreferencePair([1], [5, 6], [5, 6]), PreferencePair([2], [7], [7])]
-    assert unteachable_notes(pairs, "dpo") == [
+    pairs = [
+        PreferencePair([1, 2], [3], [4]),
+        PreferencePair([1], [5, 6], [5, 6]),
+        PreferencePair([2], [7], [7]),
+    ]
+    said = (
         "2 of 3 training pairs have the same chosen and rejected completion: their preference term is the same "
         "whatever the weights, so they teach nothing (check field_chosen / field_rejected)"
-    ]
+    )
+    assert unteachable_notes(pairs, "dpo") == [said]
     assert "only ORPO's NLL of the chosen completion trains on them" in unteachable_notes(pairs, "orpo")[0]
     assert unteachable_notes(pairs[:1], "dpo") == []
     kto = [KtoExample([1], [2], True), KtoExample([1], [3], True)]
-    assert unteachable_notes(kto, "kto") == [
+    said = (
         "all 2 KTO training examples are desirable, none undesirable: KTO weighs one kind against the other, "
         "so check the label field (`label`, true for desirable)"
-    ]
+    )
+    assert unteachable_notes(kto, "kto") == [said]
     assert unteachable_notes([*kto, KtoExample([1], [4], False)], "kto") == []

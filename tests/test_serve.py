@@ -9,6 +9,7 @@ import re
 import subprocess
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import openai
@@ -118,6 +119,9 @@ def test_models_lists_the_base_model_and_its_adapters(client, tiny_dir, engine):
     assert [m.id for m in client.models.list().data] == [tiny_dir, "tuned"]
     card = client.models.retrieve("tuned")
     assert (card.id, card.owned_by) == ("tuned", "hanzo-gym")
+    # where the weights came from, by name: no folder of the server's in a reply
+    roots = [m.model_extra["root"] for m in client.models.list().data]
+    assert roots == [Path(tiny_dir).name, Path(engine.directory).name]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
@@ -171,12 +172,15 @@ def usage_chunk(id: str, object: str, model: str, created: int, prompt_tokens: i
 
 # -- models ----------------------------------------------------------------------------------------------------
 def model_card(id: str, created: int, root: str, parent: str | None) -> dict[str, Any]:
+    """`root` is where the weights came from: a hub id as it is, a local folder or file by its name only (the
+    server's own folders are nobody else's business)."""
+    local = root.startswith(("/", ".", "~", "gym://")) or Path(root).exists()
     return {
         "id": id,
         "object": "model",
         "created": created,
         "owned_by": "hanzo-gym",
-        "root": root,
+        "root": Path(root).name if local else root,
         "parent": parent,
     }
 
