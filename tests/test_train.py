@@ -508,3 +508,71 @@ def test_a_second_run_on_a_busy_output_dir_fails_at_once_naming_the_first(
     run = tmp_path / "run"
     assert (run / "adapter_config.json").is_file()
     assert not (run / ".gym-train.pid").exists()  # a finished run leaves nothing of its hold
+
+
+def _small_disk(directory, size: int) -> bool:
+    """A tmpfs of `size` bytes at `directory` (True), where this process may mount one (root, as in CI)."""
+    import subprocess
+
+    directory.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+        check=False,
+        capture_output=True,
+    )
+    return mounted.returncode == 0
+
+
+def test_a_full_disk_is_one_line_and_the_last_checkpoint_still_resumes(
+    tmp_path, tiny_base, chat_data, monkeypatch, capsys
+):
+    import errno
+    import subprocess
+
+    sized, _ = _config(
+        tmp_path, tiny_base, chat_data, max_steps=2, save_steps=1, output_dir=str(tmp_path / "sized")
+    )
+    assert main(["train", str(sized)]) == 0
+    checkpoint = sum(f.stat().st_size for f in (tmp_path / "sized" / "checkpoint-1").iterdir())
+    disk = tmp_path / "disk"
+    path, _ = _config(tmp_path, tiny_base, chat_data, max_steps=4, save_steps=1, output_dir=str(disk / "run"))
+    real = _small_disk(
+        disk, int(1.6 * checkpoint) + 64 * 1024
+    )  # room for checkpoint-1, not checkpoint-2 beside it
+    if not real:  # no tmpfs to be had: the second checkpoint's write finds the disk full all the same
+        from hanzo_gym.loops import tail
+
+        writes = []
+
+        def write_until_full(directory, engine, position):
+            writes.append(position.step)
+            if len(writes) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real_write(directory, engine, position)
+
+        real_write = tail.write_checkpoint
+        monkeypatch.setattr(tail, "write_checkpoint", write_until_full)
+    capsys.readouterr()
+    try:
+        assert main(["train", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"error: no space left on the disk of {disk / 'run'} while writing checkpoint-2 (about "
+        )
+        assert err.endswith(
+            "checkpoint-1 is intact: free some space and run the same command to continue from it\n"
+        )
+        assert err.count("\n") == 1  # one line, no traceback
+        assert sorted(p.name for p in (disk / "run").iterdir() if p.name.startswith("checkpoint-")) == [
+            "checkpoint-1"
+        ]
+        if real:
+            subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # space freed
+        else:
+            monkeypatch.setattr(tail, "write_checkpoint", real_write)
+        assert main(["train", str(path)]) == 0  # the same command continues from checkpoint-1
+        assert "continuing it from checkpoint-1" in capsys.readouterr().out
+        assert sorted(_train_losses(disk / "run")) == [1, 2, 3, 4]
+    finally:
+        if real:
+            subprocess.run(["umount", str(disk)], check=True)

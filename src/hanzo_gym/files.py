@@ -6,6 +6,7 @@ use it too.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -187,3 +188,27 @@ def held_exclusively(directory: Path, what: str) -> Iterator[None]:
             holder.unlink(missing_ok=True)  # before the lock goes: the next holder writes its own
     finally:
         os.close(handle)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether a write failed for want of space: ENOSPC, or the message a library (safetensors) made of it."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in str(exc) or "os error 28" in str(exc)
+
+
+def out_of_space(directory: Path, what: str, needed: int | None, resumable: Path | None) -> GymError:
+    """The one line for a write that found the disk full: where, what it was writing, how much room it wants
+    against what is free, and what still stands."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    room = f"{free / 1e6:.0f} MB free" if free is not None else "the free space unknown"
+    wants = f"about {needed / 1e6:.0f} MB needed, " if needed else ""
+    kept = (
+        f"{resumable.name} is intact: free some space and run the same command to continue from it"
+        if resumable is not None
+        else "nothing of it was kept: free some space and run again"
+    )
+    return GymError(f"no space left on the disk of {directory} while writing {what} ({wants}{room}); {kept}")

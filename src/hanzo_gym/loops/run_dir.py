@@ -34,7 +34,9 @@ from hanzo_gym.errors import GymError
 from hanzo_gym.files import (
     SWAP_PLAN,
     atomic_write_text,
+    disk_full,
     finish_swap,
+    out_of_space,
     process_alive,
     publish_directory,
     publish_files_into,
@@ -224,14 +226,21 @@ class RunDir:
         build: Callable[[Path], None],
         keep: int | None = None,
         spare: int | None = None,
+        size: int | None = None,
     ) -> Path:
         """Write checkpoint-<step>; with `keep`, then remove all but the newest `keep` checkpoints of this run
         (only once the new one is complete, so there is always one to resume from), never the one of step
-        `spare` (the best checkpoint, which HF's rotation keeps too)."""
+        `spare` (the best checkpoint, which HF's rotation keeps too). `size`: about how many bytes it takes,
+        for the message when the disk is full."""
         final = self.path / f"{CHECKPOINT_PREFIX}{step}"
         if not self.writer:
             return final
-        publish_directory(build, self._home / final.name)
+        try:
+            publish_directory(build, self._home / final.name)
+        except Exception as exc:
+            if not disk_full(exc):
+                raise
+            raise out_of_space(self.path, final.name, size, self.latest_checkpoint()) from None
         record = {"name": final.name, "step": step, "epoch": epoch, "path": str(final)}
         with open(self.checkpoints_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
@@ -264,11 +273,17 @@ class RunDir:
         for name in sorted(removed):
             remove_entry(self._home / name)
 
-    def publish_final(self, build: Callable[[Path], None]) -> None:
+    def publish_final(self, build: Callable[[Path], None], size: int | None = None) -> None:
         """The final adapter (or full model) at the top level, next to the run files, as Axolotl puts it."""
         if not self.writer:
             return
-        publish_files_into(build, self._home, marker=self.marker)
+        try:
+            publish_files_into(build, self._home, marker=self.marker)
+        except Exception as exc:
+            if not disk_full(exc):
+                raise
+            what = "the final model" if self.marker == MODEL_MARKER else "the final adapter"
+            raise out_of_space(self.path, what, size, self.latest_checkpoint()) from None
         self.finish()
 
     def latest_checkpoint(self) -> Path | None:

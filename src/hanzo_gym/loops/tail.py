@@ -317,6 +317,7 @@ class LoopTail:
                 lambda d: write_checkpoint(d, self.engine, mark),
                 cfg.save_total_limit,
                 spare=self.best.checkpoint_step if self.keeps_best else None,
+                size=self.engine.trainable_parameter_count * 12,  # fp32 weights and AdamW's two moments
             )
             self.say(f"saved {path}")
 

@@ -374,7 +374,7 @@ def _train(cfg: Config, adapter_dir: Path | None) -> SftResult | GrpoResult | Pr
             if is_main():
                 publish_directory(final, Path(adapter_dir))
         else:
-            run.publish_final(final)
+            run.publish_final(final, size=engine.trainable_parameter_count * 4)
         run.trackers.final(final)  # wandb_log_model: the final adapter as an artifact
         run.trackers.finish()
     except BaseException as stopped:
