@@ -309,6 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        from hanzo_gym.files import disk_full
+
+        if not disk_full(exc):
+            raise
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        print(
+            f"error: no space left on the disk{where}: free some space and run the same command again",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 
