@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hanzo_gym.clock import paced
 from hanzo_gym.config import Config
 from hanzo_gym.config.grpo_keys import TrlConfig
 from hanzo_gym.data.batching import epoch_order
@@ -122,7 +123,7 @@ def evaluate_rewards(
     mine = shard(prompts)
     sample = (sampler or engine).sample
     chunk = cfg.eval_batch_size or 64  # how many held-out prompts decode together
-    for start in range(0, len(mine), chunk):
+    for start in paced(range(0, len(mine), chunk), "evaluating, chunks of held-out prompts"):
         batch = mine[start : start + chunk]
         groups = sample([p.tokens for p in batch], 1, _sampling(cfg, cfg.seed, greedy=True))
         flat = [c for group in _completions(engine, batch, groups) for c in group]

@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 
+from hanzo_gym.clock import paced
 from hanzo_gym.config import Config
 from hanzo_gym.data.batching import epoch_order
 from hanzo_gym.data.preference import KtoExample, PreferencePair
@@ -319,7 +320,7 @@ def _reference_keys(cfg: Config, batches: Iterable[Sequence[int]]) -> list:
 def evaluate(method: PairMethod | KtoMethod, micro_batch_size: int) -> dict[str, float]:
     """The loss and metrics on held-out items: the mean over micro-batches (TRL's eval reduction)."""
     sums = _MetricSums()
-    for batch in _eval_batches(len(method.items), micro_batch_size):
+    for batch in paced(_eval_batches(len(method.items), micro_batch_size), "evaluating, batches"):
         prepared = method.prepare(batch)
         logprobs, extras = method.engine.forward_with(
             method.datums(batch), method.outputs, scored_from=method.scored_from(batch)

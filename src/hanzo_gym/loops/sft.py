@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hanzo_gym.clock import paced
 from hanzo_gym.config import Config
 from hanzo_gym.data.batching import (
     epoch_order,
@@ -113,7 +114,8 @@ def evaluate(
     mine = shard(examples)
     lengths = [len(example) for example in mine]
     pad_id = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
-    for indices in micro_batches(lengths, list(range(len(mine))), micro_batch_size, pack_to):
+    batches = micro_batches(lengths, list(range(len(mine))), micro_batch_size, pack_to)
+    for indices in paced(list(batches), "evaluating, batches"):
         batch = [mine[i] for i in indices]
         datums = batch_datums(batch, 1.0, pad_to, pack_to is not None, pad_id)
         for datum, logprobs in zip(datums, engine.forward(datums, scored_from=first_trained(datums))):
