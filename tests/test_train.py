@@ -468,6 +468,7 @@ def test_a_bad_row_fails_before_the_model_loads(tmp_path, tiny_base, chat_data, 
     assert "loading" not in out
 
 
+@pytest.mark.slow  # whole `gym train` runs and a second process: CI's slow tier
 def test_a_second_run_on_a_busy_output_dir_fails_at_once_naming_the_first(
     tmp_path, tiny_base, chat_data, capsys
 ):
@@ -523,6 +524,7 @@ def _small_disk(directory, size: int) -> bool:
     return mounted.returncode == 0
 
 
+@pytest.mark.slow  # whole `gym train` runs and a second process: CI's slow tier
 def test_a_full_disk_is_one_line_and_the_last_checkpoint_still_resumes(
     tmp_path, tiny_base, chat_data, monkeypatch, capsys
 ):
