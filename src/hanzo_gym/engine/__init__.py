@@ -7,8 +7,16 @@ from hanzo_gym.engine.engine import (
     Engine,
     ForwardBackwardOutput,
     check_datums,
+    check_finite_inputs,
     check_loss_inputs,
     default_tokens_per_pass,
 )
 
-__all__ = ["Engine", "ForwardBackwardOutput", "check_datums", "check_loss_inputs", "default_tokens_per_pass"]
+__all__ = [
+    "Engine",
+    "ForwardBackwardOutput",
+    "check_datums",
+    "check_finite_inputs",
+    "check_loss_inputs",
+    "default_tokens_per_pass",
+]

@@ -688,8 +688,17 @@ def check_datums(datums: list[Datum]) -> None:
                     f"datum {index}: loss_fn_inputs[`{key}`] has shape {shape}, but model_input has {length} "
                     "tokens; every input is aligned with model_input (target t = token t+1)"
                 )
+
+
+
+def check_finite_inputs(datums: list[Datum]) -> None:
+    """GymError naming the datum and the input where a client's float loss input holds NaN or an infinity: a
+    NaN weight or advantage would reach every weight at the next step. (The loops' own datums need no such
+    pass: their weights are 0 and 1.)"""
+    for index, datum in enumerate(datums):
+        for key, value in datum.loss_fn_inputs.items():
             if value.dtype == "float32" and not all(map(math.isfinite, value.data)):
-                raise GymError(  # a NaN weight or advantage would reach every weight at the next step
+                raise GymError(
                     f"datum {index}: loss_fn_inputs[`{key}`] holds NaN or infinite values; send finite numbers"
                 )
 

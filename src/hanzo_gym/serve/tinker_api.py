@@ -65,9 +65,8 @@ class Reply:
 
     @classmethod
     def json(cls, value: Any, status: int = 200) -> Reply:
-        return cls(
-            status, json.dumps(value, allow_nan=False).encode()
-        )  # NaN is not JSON: the SDK cannot read it
+        # allow_nan=False: NaN is not JSON, and the SDK cannot read a reply that holds it
+        return cls(status, json.dumps(value, allow_nan=False).encode())
 
 
 class DirectError(GymError):

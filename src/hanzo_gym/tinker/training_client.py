@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from hanzo_gym.engine import Engine, check_datums
+from hanzo_gym.engine import Engine, check_datums, check_finite_inputs
 from hanzo_gym.engine.losses import CONFIG_KEYS, LOSS_FNS
 from hanzo_gym.engine.state_files import load_engine_state, save_engine_state
 from hanzo_gym.errors import GymError
@@ -225,6 +225,7 @@ class TrainingClient:
             allowed = ", ".join(CONFIG_KEYS[loss_fn]) or "none"
             raise GymError(f"loss_fn_config for `{loss_fn}` has unknown keys {unknown}; it takes: {allowed}")
         check_datums(data)
+        check_finite_inputs(data)
         for index, datum in enumerate(data):
             targets = datum.loss_fn_inputs["target_tokens"].data
             for what, ids in (("model_input", datum.model_input.to_ints()), ("target_tokens", targets)):
