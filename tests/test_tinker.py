@@ -464,3 +464,32 @@ def test_closing_the_service_ends_its_sampler_threads(tmp_path, tiny_dir):
         assert thread.is_alive()
     assert not thread.is_alive()
     assert len(pending.result(timeout=1).sequences) == 2  # what was queued was answered first
+
+
+def test_a_training_step_waits_for_one_decode_step_of_a_long_sample_not_for_all_of_it(
+    service, tiny_dir, monkeypatch
+):
+    client = service.create_lora_training_client(tiny_dir, rank=4, seed=0)
+    sampler = client.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints([8, 9])
+    params = types.SamplingParams(max_tokens=120, seed=5, temperature=1.0)
+    alone = sampler.sample(prompt, 16, params).result(timeout=60).sequences
+    steps, original_step = [0], DecodeBatch.step
+
+    def counting(self):
+        steps[0] += 1
+        time.sleep(0.01)  # a decode step of a real model: long enough for the trainer to queue behind one
+        return original_step(self)
+
+    monkeypatch.setattr(DecodeBatch, "step", counting)
+    sample = sampler.sample(prompt, 16, params)
+    while steps[0] < 5:
+        time.sleep(0.005)
+    submitted_at = steps[0]
+    client.forward_backward([datum(s) for s in SENTENCES], "cross_entropy").result(timeout=60)
+    trained_at = steps[0]
+    assert not sample.done()  # the step ran while the sample went on
+    assert trained_at - submitted_at <= 2
+    # Stepping aside changes nothing the sample draws: a seeded request gives what it gives alone.
+    assert sample.result(timeout=60).sequences == alone
+    assert steps[0] > trained_at + 10, steps

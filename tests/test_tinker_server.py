@@ -283,11 +283,11 @@ def post(server, endpoint: str, body, **headers) -> httpx.Response:
     return httpx.post(f"{server.base_url}/api/v1/{endpoint}", content=content, headers=headers, timeout=30)
 
 
-def result_of(server, submitted: httpx.Response, proto: bool = False) -> httpx.Response:
+def result_of(server, submitted: httpx.Response, proto: bool = False, **headers) -> httpx.Response:
     assert submitted.status_code == 200, submitted.text
-    accept = {"Accept": "application/x-protobuf"} if proto else {}
+    headers.update({"Accept": "application/x-protobuf"} if proto else {})
     while True:
-        reply = post(server, "retrieve_future", {"request_id": submitted.json()["request_id"]}, **accept)
+        reply = post(server, "retrieve_future", {"request_id": submitted.json()["request_id"]}, **headers)
         if (
             reply.headers["content-type"].startswith("application/x-protobuf")
             or reply.json().get("type") != "try_again"

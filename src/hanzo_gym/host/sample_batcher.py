@@ -8,7 +8,9 @@ cost grows with its rows (bench/serve_latency.py: on this CPU 9 rows cost 1.6× 
 nearly its own pace, and the long one waits only for the short one's few steps (bench/serve_latency.py). Lanes
 of different adapters take turns of at least 16 steps (the host serves one adapter at a time; on CPU each turn
 folds the adapter's LoRA into the weights). A seeded request gets a lane of its own, so a seed reproduces its
-own result whatever else is running.
+own result whatever else is running. Whoever else waits for the host (a training client's step, a prompt's
+scoring) gets it after the current decode step: the host's lock is handed out in arrival order
+(host/fair_lock.py), and the sampler queues behind them (bench/tinker_fairness.py).
 """
 
 from __future__ import annotations
@@ -209,6 +211,8 @@ class SampleBatcher:
                             break
                         self._step(lane)
                         steps += 1
+                        if self.host.lock.waiting():
+                            return  # a training step (or any other use of the host) goes first
                         self._admit(lane, model)  # what arrived meanwhile joins at the lane's next step
                 if steps >= STEPS_PER_TURN and any(lane.adapter != adapter for lane in self._lanes):
                     return

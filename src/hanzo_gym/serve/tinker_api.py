@@ -47,6 +47,9 @@ from hanzo_gym.tinker.training_client import TrainingClient
 PREFIX = "/api/v1/"
 LONG_POLL_SECONDS = 30.0  # a retrieve_future waits this long before `try_again` (the SDK gives up at 45)
 FUTURE_TTL_SECONDS = 900.0  # a result nobody fetched is dropped this long after its submit
+# Work nobody has polled for this long is cancelled: the SDK polls each future from its submit on, and its worst
+# gap is a 45 s poll timeout plus a 30 s back-off, so a client this silent has gone (crashed, or hung up).
+ABANDONED_AFTER_SECONDS = 120.0
 DELIVERED_TTL_SECONDS = 60.0  # a fetched result is kept this long, for a re-poll after a lost reply
 MAX_SNAPSHOTS_PER_MODEL = 8  # save_weights_and_get_sampling_client sessions kept per training model
 SEQ_GAP_SECONDS = 60.0  # a request that came early waits this long for the seq_ids before it, then runs
@@ -55,6 +58,9 @@ JSON = "application/json"
 # Losses of the hosted service whose semantics are not public: refused by name, never silently replaced.
 HOSTED_ONLY_LOSSES = ("stable_reinforce", "gspo", "custom")
 MAX_LORA_RANK = 1024
+# What one user may have decoding or queued at once, in tokens, as a multiple of what one request may ask for.
+# More gets 429, which the SDK's sampling client takes as back-pressure: it waits a second and resends.
+IN_FLIGHT_REQUESTS = 8
 
 
 @dataclass
@@ -75,6 +81,13 @@ class DirectError(GymError):
     def __init__(self, message: str, status: int = 422):
         super().__init__(message)
         self.status = status
+
+
+class Busy(DirectError):
+    """A submit refused for now (429), even where others become failed futures: the client may resend it."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 429)
 
 
 @dataclass
@@ -107,9 +120,23 @@ class _Pending:
     future: concurrent.futures.Future
     encode: Callable[[Any], Reply]
     owner: str = LOCAL_USER  # the user who submitted it: only they may fetch it
+    cancel: Callable[[], None] | None = None  # stops a sample's decoding, queued or running
     created: float = field(default_factory=time.monotonic)
+    polled: float = field(default_factory=time.monotonic)  # when a poll for it last came or ended
+    polls: int = 0  # polls waiting for it now
+    tokens: int = 0  # what a sample may still decode, counted against its owner's tokens in flight
     reply: Reply | None = None
     delivered: float | None = None  # when the result was first sent
+
+    def abandoned(self, now: float, after: float) -> bool:
+        """Work that can be stopped (sampling; a training step is short and keeps its client's order) whose
+        client has not polled for `after` seconds."""
+        return (
+            self.cancel is not None
+            and not self.future.done()
+            and not self.polls
+            and now - self.polled > after
+        )
 
 
 class TinkerAPI:
@@ -122,9 +149,11 @@ class TinkerAPI:
         names: Mapping[str, str],
         long_poll_seconds: float = LONG_POLL_SECONDS,
         max_request_tokens: int = MAX_REQUEST_TOKENS,
+        abandoned_after_seconds: float = ABANDONED_AFTER_SECONDS,
     ):
         self.service = service
         self.long_poll_seconds = long_poll_seconds
+        self.abandoned_after_seconds = abandoned_after_seconds
         self.max_request_tokens = max_request_tokens  # what one asample may decode: num_samples × max_tokens
         self._bases: dict[str, _Base] = {}  # by every accepted name
         for name, base_model in names.items():
@@ -143,12 +172,24 @@ class TinkerAPI:
         self._submits: dict[tuple, dict[str, Any]] = {}  # dedup key → the submit's reply
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tinker-api")
         self.runs = TrainingRuns(service.root, self._display_name)
+        self._closed = threading.Event()
+        threading.Thread(target=self._reap_abandoned, name="tinker-api-reaper", daemon=True).start()
 
     def served_names(self) -> list[str]:
         return sorted({base.name for base in self._bases.values()})
 
     def close(self) -> None:
+        self._closed.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _reap_abandoned(self) -> None:
+        """Give up the work of clients that went away, so it stops holding the model from everyone else."""
+        while not self._closed.wait(min(10.0, self.abandoned_after_seconds / 4)):
+            now = time.monotonic()
+            with self._lock:
+                gone = [p for p in self._futures.values() if p.abandoned(now, self.abandoned_after_seconds)]
+            for pending in gone:
+                pending.cancel()  # its rows leave the batch at the next decode step; the future fails
 
     # -- dispatch ------------------------------------------------------------------------------------------
     def handle(
@@ -298,6 +339,8 @@ class TinkerAPI:
         error, which the SDK reports as RequestFailedError (a user error for a GymError)."""
         try:
             return Reply.json(submit())
+        except Busy:
+            raise
         except Exception as exc:  # noqa: BLE001 - the client reads it from the future
             if not isinstance(exc, GymError):
                 traceback.print_exc(file=sys.stderr)
@@ -312,11 +355,12 @@ class TinkerAPI:
         future: concurrent.futures.Future,
         encode: Callable[[Any], Reply],
         extra: Callable[[str], dict] | None = None,
+        cancel: Callable[[], None] | None = None,
     ) -> dict:
         """Under the lock when `key` is given (the caller checked it is new)."""
         request_id = f"req-{uuid.uuid4().hex}"
         reply = {"request_id": request_id, **(extra(request_id) if extra else {})}
-        self._futures[request_id] = _Pending(future, encode, owner=self._me)
+        self._futures[request_id] = _Pending(future, encode, owner=self._me, cancel=cancel)
         if key is not None:
             self._submits[key] = reply
         self._expire()
@@ -328,16 +372,17 @@ class TinkerAPI:
         start: Callable[[], concurrent.futures.Future],
         encode: Callable[[Any], Reply],
         extra: Callable[[str], dict] | None = None,
+        cancel: Callable[[], None] | None = None,
     ) -> dict:
         """Start the work unless a submit with this key already did; either way, that submit's reply. A key
         ending in None (a request without a seq_id) is never a resend. Holding the lock while starting keeps
         arrival order as execution order."""
         with self._lock:
             if key[-1] is None:
-                return self._register(None, start(), encode, extra)
+                return self._register(None, start(), encode, extra, cancel)
             if key in self._submits:
                 return self._submits[key]
-            return self._register(key, start(), encode, extra)
+            return self._register(key, start(), encode, extra, cancel)
 
     def _in_order(
         self,
@@ -412,11 +457,22 @@ class TinkerAPI:
             )
         if pending.reply is None:
             future = pending.future
-            if not concurrent.futures.wait([future], timeout=self.long_poll_seconds).done:
+            with self._lock:
+                pending.polls += 1
+            try:
+                finished = concurrent.futures.wait([future], timeout=self.long_poll_seconds).done
+            finally:
+                with self._lock:
+                    pending.polls -= 1
+                    pending.polled = time.monotonic()
+            if not finished:
                 return Reply.json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
             if future.cancelled():
                 pending.reply = Reply.json(
-                    {"error": "cancelled: the server is shutting down", "category": "server"}
+                    {
+                        "error": "cancelled: nobody polled for it, or the server is shutting down",
+                        "category": "user",
+                    }
                 )
             elif future.exception() is not None:  # the request's own failure, sent as its result
                 pending.reply = _failure(future.exception())
@@ -628,14 +684,18 @@ class TinkerAPI:
         tokens = wire.prompt_tokens(request.get("prompt"))
         num_samples = fields.integer(request, "num_samples", 1, low=1, high=self.max_request_tokens)
         params = wire.sampling_params(request.get("sampling_params") or {})
-        self._check_sampling_cost(sampler, len(tokens), num_samples, params.max_tokens)
+        cost = self._check_sampling_cost(sampler, len(tokens), num_samples, params.max_tokens)
         want_logprobs = fields.flag(request, "prompt_logprobs", False)
         topk = fields.integer(request, "topk_prompt_logprobs", 0, low=0, high=wire.MAX_TOP_K)
         last_n = fields.integer(request, "prompt_logprobs_last_n", None, low=1, high=max(len(tokens) - 1, 1))
 
+        stop = threading.Event()
+
         def start() -> concurrent.futures.Future:
             prompt = ModelInput.from_ints(tokens)
-            return sampler.client.sample(prompt, num_samples, params, want_logprobs, topk).future()
+            return sampler.client.sample(
+                prompt, num_samples, params, want_logprobs, topk, cancel=stop
+            ).future()
 
         def encode(response: Any) -> Reply:
             prompt_logprobs, topk_rows = response.prompt_logprobs, response.topk_prompt_logprobs
@@ -649,18 +709,42 @@ class TinkerAPI:
         def sequence_ids(request_id: str) -> dict:
             return {"sample_sequence_ids": [f"{request_id}:{index}" for index in range(num_samples)]}
 
-        return self._once(("sample", sampling_session_id, seq_id), start, encode, sequence_ids)
+        def start_within_share() -> concurrent.futures.Future:  # under the lock
+            self._check_in_flight(cost)
+            return start()
+
+        reply = self._once(
+            ("sample", sampling_session_id, seq_id),
+            start_within_share,
+            encode,
+            sequence_ids,
+            lambda: sampler.client.cancel(stop),
+        )
+        with self._lock:
+            self._futures[reply["request_id"]].tokens = cost
+        return reply
+
+    def _check_in_flight(self, cost: int) -> None:
+        """Busy when the caller's samples still running and this one would exceed their share (under the lock)."""
+        share = IN_FLIGHT_REQUESTS * self.max_request_tokens
+        me = self._me
+        running = sum(p.tokens for p in self._futures.values() if p.owner == me and not p.future.done())
+        if running and running + cost > share:
+            raise Busy(
+                f"this key has {running} tokens of sampling in flight; {cost} more would pass its share of "
+                f"{share} ({IN_FLIGHT_REQUESTS} × --max-request-tokens): resend once some are done"
+            )
 
     def _check_sampling_cost(
         self, sampler: _Sampler, prompt: int, num_samples: int, max_tokens: int | None
-    ) -> None:
-        """num_samples × max_tokens (the rest of the context where max_tokens is not given) within
-        max_request_tokens, as the OpenAI side counts a request: refused before any decoding starts."""
+    ) -> int:
+        """num_samples × max_tokens (the rest of the context where max_tokens is not given), refused before
+        any decoding starts unless within max_request_tokens, as the OpenAI side counts a request."""
         context = sampler.client.context_length
         room = None if context is None else context - prompt
         per_sample = max_tokens if room is None else min(max_tokens or room, room)
         if per_sample is None:
-            return  # no context length stated: the sampler asks for max_tokens itself
+            return num_samples  # no context length stated: the sampler asks for max_tokens itself
         if num_samples * per_sample > self.max_request_tokens:
             if max_tokens is None:
                 each = "the rest of the context: max_tokens is unset"
@@ -673,6 +757,7 @@ class TinkerAPI:
                 f"tokens, over this server's {self.max_request_tokens} per request (gym serve "
                 "--max-request-tokens); ask for fewer"
             )
+        return num_samples * per_sample
 
     _POSTS: ClassVar[dict[str, Callable[[TinkerAPI, dict], Any]]] = {
         "client/config": _client_config,

@@ -44,11 +44,17 @@ class SamplingClient:
         sampling_params: SamplingParams,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        *,
+        cancel: threading.Event | None = None,
     ) -> APIFuture[SampleResponse]:
+        """`cancel`, passed later to `cancel()`, stops the sampling at its next decode step (the future then
+        fails)."""
         tokens = _prompt_tokens(prompt, self._host)
         if num_samples < 1:
             raise GymError(f"num_samples must be at least 1 (got {num_samples})")
-        sequences = self._batcher.submit(self._adapter, tokens, num_samples, sampling_params, owner=self)
+        sequences = self._batcher.submit(
+            self._adapter, tokens, num_samples, sampling_params, owner=self, cancel=cancel
+        )
         if not include_prompt_logprobs and topk_prompt_logprobs <= 0:
             return APIFuture(_joined([sequences], lambda seqs: SampleResponse(sequences=seqs)))
         if topk_prompt_logprobs > self._host.vocab_size:
@@ -65,6 +71,10 @@ class SamplingClient:
 
     async def sample_async(self, *args: Any, **kwargs: Any) -> SampleResponse:
         return await self.sample(*args, **kwargs)
+
+    def cancel(self, event: threading.Event) -> None:
+        """Stop the sample submitted with `cancel=event`: nobody waits for it any more."""
+        self._batcher.cancel(event)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """log p(token_i | tokens before i) for every prompt token; element 0 is None (nothing precedes it)."""
