@@ -237,3 +237,16 @@ def test_the_server_sweeps_what_a_killed_server_left_and_keeps_the_rest(tmp_path
     assert "run-a/weights/.step-2.tmp-999999" in out and "run-a/sampler_weights/.deleting-s-1a2b3c4d" in out
     TrainingRuns(tmp_path, str)  # nothing left to say
     assert capsys.readouterr().out == ""
+
+
+def test_no_reply_names_a_folder_of_the_server(server, sdk):
+    client = sdk.create_lora_training_client(base_model=SERVED_NAME, rank=4, seed=0).result()
+    path = client.save_state("damaged").result().path
+    run, _, name = path.removeprefix("tinker://").split("/")
+    root = server.tinker.service.root
+    (root / run / "weights" / name / "adapter_model.safetensors").unlink()  # a disk error, say
+    with pytest.raises(tinker.RequestFailedError) as refused:
+        sdk.create_training_client_from_state(path).result()
+    message = str(refused.value)
+    assert "adapter" in message and f"tinker://{run}/weights/{name}" in message, message
+    assert str(root) not in message and str(root.resolve()) not in message

@@ -227,10 +227,11 @@ class TinkerAPI:
             return result if isinstance(result, Reply) else Reply.json(result)
         except GymError as exc:
             status = exc.status if isinstance(exc, DirectError) else 404 if isinstance(exc, NotFound) else 422
-            return Reply.json({"error": str(exc), "category": "user", "detail": str(exc)}, status)
+            message = self._public(str(exc))
+            return Reply.json({"error": message, "category": "user", "detail": message}, status)
         except Exception as exc:  # noqa: BLE001 - a bug answers once; the server keeps serving
             traceback.print_exc(file=sys.stderr)
-            return Reply.json({"error": f"internal error: {exc}", "category": "server"}, 500)
+            return Reply.json({"error": self._public(f"internal error: {exc}"), "category": "server"}, 500)
 
     def _get(self, endpoint: str, query: dict[str, list[str]]) -> Reply:
         parts = [unquote(part) for part in endpoint.split("/")]
@@ -475,12 +476,12 @@ class TinkerAPI:
                     }
                 )
             elif future.exception() is not None:  # the request's own failure, sent as its result
-                pending.reply = _failure(future.exception())
+                pending.reply = _failure(future.exception(), self._public)
             else:
                 try:
                     pending.reply = pending.encode(future.result())
                 except Exception as exc:  # noqa: BLE001
-                    pending.reply = _failure(exc)
+                    pending.reply = _failure(exc, self._public)
         pending.delivered = pending.delivered or time.monotonic()
         return pending.reply
 
@@ -799,6 +800,17 @@ class TinkerAPI:
             )
         return base
 
+    def _public(self, message: str) -> str:
+        """`message` without the server's folders: a checkpoint's folder as its tinker:// path, a base model's
+        folder as the name clients call it by."""
+        root = self.service.root
+        for folder in sorted({str(root), str(root.resolve())}, key=len, reverse=True):
+            message = message.replace(folder.rstrip("/") + "/", "tinker://").replace(folder, "tinker://")
+        for alias, base in sorted(self._bases.items(), key=lambda item: -len(item[0])):
+            if alias.startswith("/"):
+                message = message.replace(alias, base.name)
+        return message
+
     def _display_name(self, recorded: str) -> str:
         """What clients call a checkpoint's recorded base model: its served name, else the record as it is
         (never resolved: a listing must not download or convert a model)."""
@@ -858,12 +870,13 @@ class TinkerAPI:
         return sampler
 
 
-def _failure(exc: BaseException) -> Reply:
-    """A failed request as the SDK reads it: `user` for what the request got wrong, `server` for a bug."""
+def _failure(exc: BaseException, public: Callable[[str], str]) -> Reply:
+    """A failed request as the SDK reads it: `user` for what the request got wrong, `server` for a bug; its
+    message as `public` rewrites it for clients."""
     if isinstance(exc, GymError):
-        return Reply.json({"error": str(exc), "category": "user"})
+        return Reply.json({"error": public(str(exc)), "category": "user"})
     traceback.print_exception(exc, file=sys.stderr)
-    return Reply.json({"error": f"{type(exc).__name__}: {exc}", "category": "server"})
+    return Reply.json({"error": public(f"{type(exc).__name__}: {exc}"), "category": "server"})
 
 
 def _start_into(start: Callable[[], concurrent.futures.Future], out: concurrent.futures.Future) -> None:
