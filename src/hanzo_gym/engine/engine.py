@@ -21,6 +21,7 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hanzo_gym.engine.adapter_tokens import TokenAdapters
 from hanzo_gym.engine.distributed import sync_gradients
 from hanzo_gym.engine.losses import LOSS_FNS, OPTIONAL_INPUTS, REQUIRED_INPUTS
 from hanzo_gym.engine.offload import HostOffload
@@ -265,7 +266,9 @@ class Engine:
         metrics = {"loss:sum": loss_sum}
         if self._router_loss is not None and backward:
             metrics["router_aux_loss:sum"] = router_sum
-        return ForwardBackwardOutput(loss_sum=loss_sum, logprobs=logprobs, metrics=metrics, entropies=entropies)
+        return ForwardBackwardOutput(
+            loss_sum=loss_sum, logprobs=logprobs, metrics=metrics, entropies=entropies
+        )
 
     def _backward(self, loss: torch.Tensor) -> None:
         (loss if self.loss_scaler is None else self.loss_scaler.scale(loss)).backward()
@@ -456,12 +459,15 @@ class Engine:
         log_sum_sq_probs: bool = False,
         scored_from: Sequence[int] | None = None,
         choices: torch.Tensor | None = None,
+        adapters: tuple[TokenAdapters, Sequence[str]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """All datums as one row: position ids restart per datum, which transformers turns into attention
         blocks that never cross datums (it infers them only when no cache is passed). The log-probabilities
         `[N]` and, by name, the per-position `entropy` (and `log_sum_sq_probs` when asked); with
         `scored_from`, 0 before each datum's first scored position, where no logits are computed. With
-        `choices`, also `choices`: `[M, C]` log-probabilities of those tokens at the M scored positions only."""
+        `choices`, also `choices`: `[M, C]` log-probabilities of those tokens at the M scored positions only.
+        With `adapters` (entered TokenAdapters of this model, and an adapter name per datum), each datum goes
+        through its own LoRA adapter (engine/adapter_tokens.py)."""
         offloading = self.activation_offloading and torch.is_grad_enabled()
         offload = (
             HostOffload(pin_memory=self.device.type == "cuda") if offloading else contextlib.nullcontext()
@@ -472,7 +478,7 @@ class Engine:
         )
         scored = _scored_positions(datums, scored_from, self.device) if scored_from is not None else None
         with offload, autocast:
-            hidden, router_aux = self._packed_hidden(datums, scored)
+            hidden, router_aux = self._packed_hidden(datums, scored, adapters)
         targets = self._concat(datums, "target_tokens", torch.long)
         if scored is not None:
             targets = targets[scored]
@@ -497,19 +503,27 @@ class Engine:
         }
 
     def _packed_hidden(
-        self, datums: list[Datum], scored: torch.Tensor | None = None
+        self,
+        datums: list[Datum],
+        scored: torch.Tensor | None = None,
+        adapters: tuple[TokenAdapters, Sequence[str]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder's last hidden states `[N, H]` of all datums' positions, one packed row (padded to a
         bucket length on a CPU in bf16 or fp16, engine/row_buckets.py); only the `scored` ones `[N]` (bool)
         when given. When training a mixture of experts whose config has `output_router_logits`, also the
-        router's load-balancing loss over the datums' tokens, times `router_aux_loss_coef` (else None)."""
+        router's load-balancing loss over the datums' tokens, times `router_aux_loss_coef` (else None).
+        `adapters` as in `_packed_logprobs`."""
         router = self._router_loss if torch.is_grad_enabled() else None
         routed = {"output_router_logits": True} if router is not None else {}
         inputs = [d.model_input.to_ints() for d in datums]
-        shared = shared_layout(inputs, self.device) if self.packs_datums else None
+        owners = adapters[1] if adapters is not None else None
+        shared = shared_layout(inputs, self.device, owners) if self.packs_datums else None
         row = len(shared.tokens) if shared is not None else sum(len(tokens) for tokens in inputs)
         padding = bucket_length(row) - row if self._pads_rows else 0
         pad_positions = torch.arange(padding, device=self.device)
+        if adapters is not None:
+            at = shared.index if shared is not None else torch.arange(row, device=self.device)
+            adapters[0].route(_runs_of(owners, [len(t) for t in inputs], at, row + padding))
         if shared is not None:
             causal = torch.ones(padding, padding, dtype=torch.bool, device=self.device).tril()
             output = self._decoder(
@@ -638,6 +652,22 @@ def router_balance_loss_of(causal_lm: torch.nn.Module) -> Callable | None:
     return lambda router_logits, weights: coef * balance(router_logits, experts, top_k, weights)
 
 
+def _runs_of(
+    adapters: Sequence[str], lengths: Sequence[int], at: torch.Tensor, size: int
+) -> list[tuple[str | None, int]]:
+    """The row's runs of positions of one adapter, in order (TokenAdapters.route): `adapters` and `lengths`
+    per datum, `at` the row position of every datum token (datums concatenated; a prefix shared by datums of
+    one adapter is one run), `size` the row's length with its padding (no adapter's)."""
+    names = list(dict.fromkeys(adapters))
+    owner = torch.full((size,), -1, dtype=torch.long)
+    per_token = torch.repeat_interleave(
+        torch.tensor([names.index(a) for a in adapters]), torch.tensor(lengths)
+    )
+    owner[at.cpu()] = per_token
+    values, counts = torch.unique_consecutive(owner, return_counts=True)
+    return [(names[v] if v >= 0 else None, c) for v, c in zip(values.tolist(), counts.tolist())]
+
+
 def _scored_positions(datums: list[Datum], scored_from: Sequence[int], device: torch.device) -> torch.Tensor:
     """`[N]` bool over the datums' concatenated positions: True from each datum's `scored_from` on."""
     return torch.cat(
@@ -688,7 +718,6 @@ def check_datums(datums: list[Datum]) -> None:
                     f"datum {index}: loss_fn_inputs[`{key}`] has shape {shape}, but model_input has {length} "
                     "tokens; every input is aligned with model_input (target t = token t+1)"
                 )
-
 
 
 def check_finite_inputs(datums: list[Datum]) -> None:

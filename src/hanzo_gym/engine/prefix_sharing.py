@@ -30,11 +30,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def shared_layout(inputs: Sequence[Sequence[int]], device: torch.device) -> SharedLayout | None:
-    """The prefix-sharing row for these datum inputs, or None when no two consecutive datums share enough."""
+def shared_layout(
+    inputs: Sequence[Sequence[int]], device: torch.device, owners: Sequence[object] | None = None
+) -> SharedLayout | None:
+    """The prefix-sharing row for these datum inputs, or None when no two consecutive datums share enough.
+    With `owners` (one per datum: the adapter it goes through, say), only datums of the same owner share."""
     runs: list[tuple[int, list[int]]] = []  # (shared length, datum indices)
     for i, tokens in enumerate(inputs):
-        if runs:
+        if runs and (owners is None or owners[i] == owners[i - 1]):
             shared, members = runs[-1]
             common = min(shared, _common_prefix(inputs[members[0]], tokens))
             if common >= MIN_SHARED_TOKENS:

@@ -20,6 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from hanzo_gym.engine import Engine
 from hanzo_gym.errors import GymError, ModelError
 from hanzo_gym.host.fair_lock import FairLock
+from hanzo_gym.host.shared_passes import SharedPasses
 from hanzo_gym.model.hub import Precision, choose_precision, load_causal_lm, load_tokenizer, model_key
 from hanzo_gym.model.load_plan import BaseModelPlan
 from hanzo_gym.model.lora import adapter_weights, linear_layer_paths, read_adapter, set_adapter_weights
@@ -45,6 +46,7 @@ class ModelHost:
         self.model.requires_grad_(False)
         self.linear_layers = linear_layer_paths(self.model)
         self.lock = FairLock()  # a sampler steps aside between decode steps for whoever waits
+        self.passes = SharedPasses(self)  # training clients' calls that wait together run together
         self._names = itertools.count()
         self._retired: list[str] = []
         # Scores for whichever adapter is active (or none); it trains nothing.

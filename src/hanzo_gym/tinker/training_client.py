@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hanzo_gym.engine import Engine, check_datums, check_finite_inputs
 from hanzo_gym.engine.losses import CONFIG_KEYS, LOSS_FNS
+from hanzo_gym.engine.shared_pass import AdapterJob
 from hanzo_gym.engine.state_files import load_engine_state, save_engine_state
 from hanzo_gym.errors import GymError
 from hanzo_gym.files import publish_directory
@@ -85,13 +86,14 @@ class TrainingClient:
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
         """The loss and per-token logprobs of `forward_backward`, without touching the gradients."""
-        return self._submit(self._forward, list(data), loss_fn, loss_fn_config)
+        # Not under the host's lock: the host's shared passes take it, with other clients' calls that wait.
+        return self._worker.submit(self._scored, list(data), loss_fn, loss_fn_config, False)
 
     def forward_backward(
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
         """Add the gradient of the summed loss to what earlier calls accumulated, until `optim_step`."""
-        return self._submit(self._forward_backward, list(data), loss_fn, loss_fn_config)
+        return self._worker.submit(self._scored, list(data), loss_fn, loss_fn_config, True)
 
     def forward_backward_custom(
         self, data: Sequence[Datum], loss_fn: CustomLossFn, *, loss_type_input: str = "logprobs"
@@ -232,20 +234,13 @@ class TrainingClient:
                 self._host.check_token_ids(list(ids), f"datum {index}: {what}")
         return data
 
-    def _forward(self, data: list[Datum], loss_fn: str, config: dict | None) -> ForwardBackwardOutput:
-        datums = self._checked(data, loss_fn, config)
-        if not datums:  # Tinker sends no request for an empty batch
-            return _empty_output(loss_fn)
-        out = self._engine.forward_loss(datums, loss_fn, config)
-        return ForwardBackwardOutput(loss_fn, logprobs_output(out.logprobs), {"loss:sum": out.loss_sum})
-
-    def _forward_backward(
-        self, data: list[Datum], loss_fn: str, config: dict | None
+    def _scored(
+        self, data: list[Datum], loss_fn: str, config: dict | None, backward: bool
     ) -> ForwardBackwardOutput:
         datums = self._checked(data, loss_fn, config)
         if not datums:  # Tinker sends no request for an empty batch: nothing to accumulate
             return _empty_output(loss_fn)
-        out = self._engine.forward_backward(datums, loss_fn, config)
+        out = self._host.passes.run(AdapterJob(self._engine, datums, loss_fn, config), backward)
         return ForwardBackwardOutput(loss_fn, logprobs_output(out.logprobs), {"loss:sum": out.loss_sum})
 
     def _forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> ForwardBackwardOutput:
