@@ -30,7 +30,9 @@ def test_offloaded_activations_give_the_same_gradients_and_are_counted():
         value = loss()
     (got,) = torch.autograd.grad(value, weight)
     assert hooks.offloaded >= 2  # the activations x @ weight and its tanh; the weight itself stays
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # The hooks only move tensors, but the CPU's GEMM may block a product differently from one call to the next
+    # (a process's first products once differed in the last bit): fp32's tolerance, not bit equality.
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
     small = HostOffload(pin_memory=False, min_bytes=1 << 30)
     with small:  # nothing that big: nothing moves
         loss()
