@@ -354,7 +354,7 @@ def test_a_short_request_does_not_wait_for_a_long_one(
     client, tiny_dir, engine, word_tokenizer, monkeypatch, short_model
 ):
     """The long request decodes 200 tokens at >= 5 ms a step; the short one, sent once it runs, decodes beside it
-    (the same model) or takes turns with it (another adapter), and is answered long before it ends."""
+    (the same model, or another adapter through its own), and is answered long before it ends."""
     short_model = tiny_dir if short_model == "base" else short_model
     original = DecodeBatch.step
     steps = []

@@ -14,6 +14,7 @@ from hanzo_gym import tinker
 from hanzo_gym.engine import Engine
 from hanzo_gym.engine.adapter_tokens import takes_token_adapters
 from hanzo_gym.engine.shared_pass import AdapterJob, score_together, why_not_shared
+from hanzo_gym.host import sample_batcher as shared_passes_batcher
 from hanzo_gym.host import shared_passes
 from hanzo_gym.records import AdamParams, Datum
 from hanzo_gym.tinker import types
@@ -245,3 +246,48 @@ def test_a_client_out_of_step_is_waited_for_once_and_a_lone_client_never_waits(
         monkeypatch.setattr(shared_passes, "GATHER_SECONDS", 60.0)
         first.forward_backward(one_datum(5), "cross_entropy").result(timeout=20)
         assert runs == [1, 2, 2, 1, 1]
+
+
+def test_samples_of_several_adapters_decode_together_as_each_alone(tiny_dir, tmp_path, monkeypatch):
+    """Greedy samples of three trained adapters and of the base, asked at once, decode in one batch (each row
+    through its own adapter) and equal what each sampling client decodes alone."""
+    mixed: list[int] = []
+    real = shared_passes_batcher.SampleBatcher._decode_lanes
+
+    def recorded(self, key, model, router, alone):
+        if router is not None:
+            mixed.append(len(self._lanes_of(key)))
+        return real(self, key, model, router, alone)
+
+    monkeypatch.setattr(shared_passes_batcher.SampleBatcher, "_decode_lanes", recorded)
+    with tinker.ServiceClient(root=tmp_path / "runs", dtype=torch.float32) as service:
+        samplers = []
+        for seed in range(3):
+            client = service.create_lora_training_client(tiny_dir, rank=4, seed=seed)
+            client.forward_backward(one_datum(seed), "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=0.1)).result()
+            samplers.append(client.save_weights_and_get_sampling_client())
+        samplers.append(service.create_sampling_client(base_model=tiny_dir))
+        prompt = types.ModelInput.from_ints(one_datum(7)[0].model_input.to_ints()[:5])
+        params = types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+
+        def ask(sampler):
+            return sampler.sample(prompt, num_samples=2, sampling_params=params)
+
+        alone = [ask(sampler).result(timeout=60).sequences for sampler in samplers]
+        assert mixed == []
+        assert len({tuple(s[0].tokens) for s in alone}) > 1  # the adapters decode differently
+        host = samplers[0]._host
+        with host.lock:  # all four wait for the sampler thread's next turn
+            futures = [ask(sampler) for sampler in samplers]
+            while host.lock.waiting() < 1:
+                threading.Event().wait(0.01)
+            threading.Event().wait(0.2)
+        together = [f.result(timeout=60).sequences for f in futures]
+    assert mixed and mixed[0] == 1  # one lane, rows of four adapters (the base's among them)
+    for mine, theirs in zip(together, alone, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.tokens == b.tokens
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-4
+            )

@@ -54,10 +54,16 @@ class TokenAdapters:
     the gradient of a weight whose requires_grad went off before the backward). Afterwards the model is as it
     was: its active adapter, and only that one, trainable."""
 
-    def __init__(self, model: PeftModel, adapters: Iterable[str], trains: bool):
+    def __init__(
+        self, model: PeftModel, adapters: Iterable[str], trains: bool, dtype: torch.dtype | None = None
+    ):
+        """`adapters`: those that train (with `trains`); without it, route may name any adapter of the model.
+        `dtype`: compute the updates in it (the sampler's dtype over a bf16 base on CPU, engine/decoding.py);
+        by default as PEFT does, in the adapter's dtype unless autocast casts."""
         self.model = model
         self.adapters = list(dict.fromkeys(adapters))
         self.trains = trains
+        self.dtype = dtype
         self.runs: list[tuple[str | None, int]] = []
         self._routed: list[str] = []
         self._masks: dict[tuple, torch.Tensor] = {}
@@ -66,7 +72,7 @@ class TokenAdapters:
     def route(self, runs: Sequence[tuple[str | None, int]]) -> None:
         """`runs`: (adapter name or None, number of positions), covering every position in order."""
         unknown = {name for name, _ in runs if name is not None} - set(self.adapters)
-        if unknown:
+        if unknown and self.trains:
             raise ValueError(f"route: adapters {sorted(unknown)} were not named at the start")
         self.runs = list(runs)
         self._routed = list(dict.fromkeys(name for name, _ in runs if name is not None))
@@ -98,17 +104,19 @@ class TokenAdapters:
             return result
         x = args[0] if args else kwargs["x"]
         inputs = x.reshape(-1, x.shape[-1])
-        if not torch.is_autocast_enabled(
-            x.device.type
-        ):  # as PEFT: the adapter's dtype; autocast casts itself
+        if self.dtype is not None:
+            inputs = inputs.to(self.dtype)
+        elif not torch.is_autocast_enabled(x.device.type):  # as PEFT: the adapter's dtype; autocast casts
             inputs = inputs.to(layer.lora_A[present[0]].weight.dtype)
         # Every adapter's A stacked: one matmul down for all tokens, a mask that keeps each token's own adapter's
         # rows (times its scale), one matmul up. Some wasted work on the small rank dimension buys a few matmuls
         # instead of six per adapter per layer, which on a small model cost more than the base's own.
         down = torch.cat([layer.lora_A[name].weight for name in present])
         up = torch.cat([layer.lora_B[name].weight for name in present], dim=1)
-        mask = self._mask(layer, present, inputs.device)
-        update = torch.nn.functional.linear(torch.nn.functional.linear(inputs, down) * mask, up)
+        if self.dtype is not None:
+            down, up = down.to(self.dtype), up.to(self.dtype)
+        hidden = torch.nn.functional.linear(inputs, down) * self._mask(layer, present, inputs.device)
+        update = torch.nn.functional.linear(hidden if self.dtype is None else hidden.to(self.dtype), up)
         return result + update.to(result.dtype).view_as(result)
 
     def _mask(self, layer: LoraLayer, present: list[str], device: torch.device) -> torch.Tensor:

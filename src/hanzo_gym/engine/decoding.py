@@ -140,21 +140,31 @@ def _lora_branch_in(dtype: torch.dtype, layers: list[torch.nn.Module]) -> Iterat
 
 
 @contextlib.contextmanager
-def decoding(model: PreTrainedModel) -> Iterator[None]:
-    """The model in eval mode, without gradients, with LoRA folded on CPU; as it was afterwards. Everything it
-    changes is undone on exit, so whoever holds the model next (a training step) sees it untouched."""
+def decoding(model: PreTrainedModel, fold: bool = True) -> Iterator[None]:
+    """The model in eval mode, without gradients, with LoRA folded on CPU (unless not `fold`: rows of several
+    adapters, engine/adapter_tokens.py); as it was afterwards. Everything it changes is undone on exit, so
+    whoever holds the model next (a training step) sees it untouched."""
     was_training = model.training
     model.eval()
     try:
         with (
             torch.no_grad(),
             _lora_folded(model)
-            if next(model.parameters()).device.type == "cpu"
+            if fold and next(model.parameters()).device.type == "cpu"
             else contextlib.nullcontext(),
         ):
             yield
     finally:
         model.train(was_training)
+
+
+def lora_update_dtype(model: PreTrainedModel) -> torch.dtype | None:
+    """The dtype the sampler computes a LoRA update in when it does not fold it: a bf16 / fp16 base's on CPU
+    (see _lora_folded), else None (PEFT's rule: the adapter's own)."""
+    weight = model.get_input_embeddings().weight
+    if weight.device.type == "cpu" and weight.is_floating_point() and weight.dtype != torch.float32:
+        return weight.dtype
+    return None
 
 
 class NextTokenLogits:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from hanzo_gym.engine.adapter_tokens import TokenAdapters
 from hanzo_gym.engine.decoding import (
     GrowingLayer,
     NextTokenLogits,
@@ -64,6 +65,7 @@ class Prompt:
     num_samples: int
     params: SamplingParams
     on_token: Callable[[int, int, torch.Tensor], None] | None = None
+    adapter: str | None = None  # the LoRA adapter its rows decode through, in a batch with a `router`
 
 
 class DecodeJob:
@@ -99,6 +101,8 @@ class DecodeBatch:
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed if seed is not None else torch.seed())
         self.model: PreTrainedModel | None = None
+        # Set (entered, not training): each row decodes through its prompt's adapter; else the model as it is.
+        self.router: TokenAdapters | None = None
         self.bind(model)
         self._clear()
 
@@ -183,6 +187,8 @@ class DecodeBatch:
             mask[row, longest - len(prompt.tokens) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = growing_cache()
+        if self.router is not None:
+            self.router.route([(p.adapter, longest) for p in prompts])
         logits = self._next_logits(
             input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
         )
@@ -336,6 +342,8 @@ class DecodeBatch:
         self._mask = torch.cat(
             [self._mask, torch.ones((len(self._live), 1), dtype=self._mask.dtype, device=self.device)], dim=1
         )
+        if self.router is not None:
+            self.router.route([(job.prompt.adapter, 1) for job in self._job_of])
         self._logits = self._next_logits(
             input_ids=chosen[:, None],
             attention_mask=self._mask,

@@ -112,7 +112,9 @@ def choice_logprobs(
     """`[N, C]` fp32: log softmax(hidden @ weightᵀ) at each position, read at the `choices` tokens only (the
     answers of a multiple-choice question); not differentiable."""
     chunk = chunk or chunk_rows(weight_VH.shape[0])
-    out_NC = torch.empty((hidden_NH.shape[0], choices_C.numel()), dtype=torch.float32, device=hidden_NH.device)
+    out_NC = torch.empty(
+        (hidden_NH.shape[0], choices_C.numel()), dtype=torch.float32, device=hidden_NH.device
+    )
     with torch.no_grad():
         for start in range(0, hidden_NH.shape[0], chunk):
             logits = (hidden_NH[start : start + chunk] @ weight_VH.T).float()

@@ -1,16 +1,20 @@
 """Sampling requests from many threads, decoded together as they come (continuous batching).
 
-One thread drives the model. Requests for the same adapter share a lane: one `DecodeBatch` whose rows join
-between decode steps and leave as they finish. A request that arrives at a lane which has been decoding for a
-while and can still cost much more than the request (rows × tokens left) starts a lane of its own instead, and
-lanes of one adapter take steps in inverse proportion to what they can still cost, the cheapest first: a step's
-cost grows with its rows (bench/serve_latency.py: on this CPU 9 rows cost 1.6× one), so a short request beside a long one finishes at
-nearly its own pace, and the long one waits only for the short one's few steps (bench/serve_latency.py). Lanes
-of different adapters take turns of at least 16 steps (the host serves one adapter at a time; on CPU each turn
-folds the adapter's LoRA into the weights). A seeded request gets a lane of its own, so a seed reproduces its
-own result whatever else is running. Whoever else waits for the host (a training client's step, a prompt's
-scoring) gets it after the current decode step: the host's lock is handed out in arrival order
-(host/fair_lock.py), and the sampler queues behind them (bench/tinker_fairness.py).
+One thread drives the model. Requests share a lane: one `DecodeBatch` whose rows join between decode steps and
+leave as they finish. The base model's requests and those of every plain LoRA adapter share lanes (SHARED): a
+batch with rows of several adapters decodes each row through its own adapter (engine/adapter_tokens.py), so
+several users' samples cost one pass over the base per step, not one each (bench/tinker_multi_tenant.py); a
+batch of one adapter's rows decodes as that adapter alone (its LoRA folded into the weights on CPU). Adapters
+that cannot share a step (DoRA, LoRA dropout or bias) get lanes of their own, and lanes of different keys take
+turns of at least 16 steps. A request that arrives at a lane which has been decoding for a while and can still
+cost much more than the request (rows × tokens left) starts a lane of its own instead, and lanes of one key take
+steps in inverse proportion to what they can still cost, the cheapest first: a step's cost grows with its rows
+(bench/serve_latency.py: on this CPU 9 rows cost 1.6× one), so a short request beside a long one finishes at
+nearly its own pace, and the long one waits only for the short one's few steps (bench/serve_latency.py). A
+seeded request gets a lane of its own, so a seed reproduces its own result whatever else is running. Whoever
+else waits for the host (a training client's step, a prompt's scoring) gets it after the current decode step:
+the host's lock is handed out in arrival order (host/fair_lock.py), and the sampler queues behind them
+(bench/tinker_fairness.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hanzo_gym.engine.decoding import decoding
+from hanzo_gym.engine.adapter_tokens import TokenAdapters, takes_token_adapters
+from hanzo_gym.engine.decoding import decoding, lora_update_dtype
 from hanzo_gym.engine.sampling import DecodeBatch, DecodeJob, Prompt
 from hanzo_gym.errors import GymError
 from hanzo_gym.host.model_host import ModelHost
@@ -37,9 +42,15 @@ STEPS_PER_TURN = (
 )
 
 
+# The lane key of requests whose adapters share decode steps (engine/adapter_tokens.py): their rows decode in
+# the same batch, each through its own adapter; the base model's rows too.
+SHARED = "*shared*"
+
+
 @dataclass(eq=False)
 class _Request:
     adapter: str | None
+    lane: str | None  # the key of the lanes it may join: SHARED, or its adapter's own
     prompt: list[int]
     num_samples: int
     params: SamplingParams
@@ -82,7 +93,7 @@ class _Lane:
         return (
             self.seed is None
             and request.params.seed is None
-            and request.adapter == self.adapter
+            and request.lane == self.adapter
             and (self.batch is None or self.batch.can_add())
             and self.rows() + request.num_samples <= MAX_ROWS_PER_LANE
             and (self.steps < JOINS_WHILE_STEPS or self.cost() <= JOINS_UP_TO_COST * request.cost())
@@ -118,6 +129,7 @@ class SampleBatcher:
         self._wakeup = threading.Condition()
         self._closing = False
         self._cancellations = threading.Event()  # some request was cancelled since the last look
+        self._shares: dict[str, bool] = {}  # adapter → whether its rows may share decode steps
         self._thread = threading.Thread(target=self._serve, name="hanzo-gym-sampler", daemon=True)
         self._thread.start()
 
@@ -135,11 +147,19 @@ class SampleBatcher:
         `cancel`, passed later to `cancel()`, stops the request's decoding at the next step."""
         tokens = checked_prompt(self.host, prompt, num_samples, params)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        request = _Request(adapter, tokens, num_samples, params, future, on_token, owner, cancel)
+        lane = SHARED if self._shares_steps(adapter) else adapter
+        request = _Request(adapter, lane, tokens, num_samples, params, future, on_token, owner, cancel)
         with self._wakeup:
             self._queue.append(request)
             self._wakeup.notify()
         return future
+
+    def _shares_steps(self, adapter: str | None) -> bool:
+        if adapter is None:
+            return True
+        if adapter not in self._shares:  # adapter names are never reused: what is known stays true
+            self._shares[adapter] = takes_token_adapters(self.host.model, adapter) is None
+        return self._shares[adapter]
 
     def cancel(self, event: threading.Event) -> None:
         """Nobody waits for the request submitted with `event` any more: it fails with a GymError, and its rows
@@ -185,37 +205,64 @@ class SampleBatcher:
             request = self._queue.popleft()
             lane = next((lane for lane in self._lanes if lane.takes(request)), None)
             if lane is None:
-                lane = _Lane(request.adapter, request.params.seed)
+                lane = _Lane(request.lane, request.params.seed)
                 self._lanes.append(lane)
             lane.waiting.append(request)
 
-    def _run_turn(self, adapter: str | None) -> None:
-        """Decode `adapter`'s lanes, each round giving every lane steps in inverse proportion to what it can
-        still cost, until they are done or, with another adapter waiting, the turn has had its steps."""
-        with self.host.using(adapter) as model, decoding(model):
-            steps = 0
-            while True:
-                lanes = self._lanes_of(adapter)
-                for lane in lanes:
-                    if lane.batch is not None:
-                        lane.batch.bind(model)
-                    self._admit(lane, model)
-                running = [lane for lane in lanes if lane.running]
-                if not running:
-                    return
-                costs = {lane: max(1, lane.cost()) for lane in running}
-                dearest = max(costs.values())
-                for lane in running:
-                    for _ in range(min(STEPS_PER_TURN, max(1, round(dearest / costs[lane])))):
-                        if not lane.running:
-                            break
-                        self._step(lane)
-                        steps += 1
-                        if self.host.lock.waiting():
-                            return  # a training step (or any other use of the host) goes first
-                        self._admit(lane, model)  # what arrived meanwhile joins at the lane's next step
-                if steps >= STEPS_PER_TURN and any(lane.adapter != adapter for lane in self._lanes):
-                    return
+    def _run_turn(self, key: str | None) -> None:
+        """Decode the lanes of `key` (an adapter, or SHARED), each round giving every lane steps in inverse
+        proportion to what it can still cost, until they are done or, with other lanes waiting, the turn has
+        had its steps. Shared lanes whose rows are all of one adapter decode as that adapter's own (with its
+        LoRA folded on CPU); rows of several decode through TokenAdapters."""
+        adapters = {
+            r.adapter for lane in self._lanes_of(key) for r in [*lane.waiting, *lane.running.values()]
+        }
+        if key != SHARED or len(adapters) == 1:
+            alone = key if key != SHARED else adapters.pop()
+            with self.host.using(alone) as model, decoding(model):
+                self._decode_lanes(key, model, None, alone)
+            return
+        # Any one adapter active (TokenAdapters turns every adapter's own branch off): `using(None)` would
+        # first survey every layer's status, on every turn.
+        with (
+            self.host.using(next(a for a in adapters if a is not None)) as model,
+            decoding(model, fold=False),
+            TokenAdapters(model, (), trains=False, dtype=lora_update_dtype(model)) as router,
+        ):
+            self._decode_lanes(key, model, router, None)
+
+    def _decode_lanes(
+        self, key: str | None, model: torch.nn.Module, router: TokenAdapters | None, alone: str | None
+    ) -> None:
+        """`_run_turn`'s steps: with a `router`, rows of any adapter; else only requests of adapter `alone`
+        are admitted, and one of another adapter ends the turn (the next decodes them together)."""
+        steps = 0
+        while True:
+            lanes = self._lanes_of(key)
+            for lane in lanes:
+                if lane.batch is not None:
+                    lane.batch.bind(model)
+                    lane.batch.router = router
+                self._admit(lane, model, router, alone)
+            running = [lane for lane in lanes if lane.running]
+            if not running:
+                return
+            if router is None and any(r.adapter != alone for lane in lanes for r in lane.waiting):
+                return
+            costs = {lane: max(1, lane.cost()) for lane in running}
+            dearest = max(costs.values())
+            for lane in running:
+                for _ in range(min(STEPS_PER_TURN, max(1, round(dearest / costs[lane])))):
+                    if not lane.running:
+                        break
+                    self._step(lane)
+                    steps += 1
+                    if self.host.lock.waiting():
+                        return  # a training step (or any other use of the host) goes first
+                    # what arrived meanwhile joins at the lane's next step
+                    self._admit(lane, model, router, alone)
+            if steps >= STEPS_PER_TURN and any(lane.adapter != key for lane in self._lanes):
+                return
 
     def _step(self, lane: _Lane) -> None:
         try:
@@ -234,28 +281,36 @@ class SampleBatcher:
         if self._cancellations.is_set():
             self._drop_cancelled()
 
-    def _admit(self, lane: _Lane, model: torch.nn.Module) -> None:
+    def _admit(
+        self, lane: _Lane, model: torch.nn.Module, router: TokenAdapters | None, alone: str | None
+    ) -> None:
         """Prefill the lane's waiting requests into its batch (one pass); a request that cannot be decoded
-        fails alone."""
+        fails alone. Without a `router`, only those of adapter `alone` (the others wait for a turn with one)."""
         if not lane.waiting:
             return
         if lane.batch is None:
             lane.batch = DecodeBatch(model, self.host.tokenizer, seed=lane.seed)
+            lane.batch.router = router
         admitted: list[tuple[_Request, Prompt]] = []
+        later = [r for r in lane.waiting if router is None and r.adapter != alone]
         for request in lane.waiting:
+            if request in later:
+                continue
             if not request.future.set_running_or_notify_cancel():
                 continue
             if request.cancelled:
                 request.future.set_exception(GymError("the request was cancelled"))
                 continue
-            prompt = Prompt(request.prompt, request.num_samples, request.params, request.on_token)
+            prompt = Prompt(
+                request.prompt, request.num_samples, request.params, request.on_token, request.adapter
+            )
             try:
                 lane.batch.check(prompt)
             except GymError as exc:
                 request.future.set_exception(exc)
                 continue
             admitted.append((request, prompt))
-        lane.waiting.clear()
+        lane.waiting[:] = later
         if not admitted:
             return
         try:
