@@ -46,7 +46,7 @@ class ModelHost:
         self.model.requires_grad_(False)
         self.linear_layers = linear_layer_paths(self.model)
         self.lock = FairLock()  # a sampler steps aside between decode steps for whoever waits
-        self.passes = SharedPasses(self)  # training clients' calls that wait together run together
+        self.passes = SharedPasses(self.using)  # training clients' calls that wait together run together
         self._names = itertools.count()
         self._retired: list[str] = []
         # Scores for whichever adapter is active (or none); it trains nothing.

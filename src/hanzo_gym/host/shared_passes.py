@@ -15,16 +15,14 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from hanzo_gym.engine import ForwardBackwardOutput, check_datums, check_loss_inputs
 from hanzo_gym.engine.losses import LOSS_FNS
 from hanzo_gym.engine.shared_pass import AdapterJob, score_together, why_not_shared
 from hanzo_gym.errors import GymError
-
-if TYPE_CHECKING:
-    from hanzo_gym.host.model_host import ModelHost
 
 MAX_CALLS_PER_RUN = 16  # a longer queue is served in runs of this many: each still waits for one run only
 # A call whose turn comes while clients that called within ACTIVE_SECONDS have no call waiting gives the host
@@ -42,8 +40,9 @@ class _Call:
 
 
 class SharedPasses:
-    def __init__(self, host: ModelHost):
-        self.host = host
+    def __init__(self, using: Callable[[str | None], AbstractContextManager]):
+        """`using(adapter)`: hold the model with that adapter active (ModelHost.using)."""
+        self._using = using
         self._waiting: list[_Call] = []
         self._arrivals = threading.Condition()  # guards _waiting and _last_call
         self._last_call: dict[str, float] = {}  # adapter → when it last called
@@ -64,7 +63,7 @@ class SharedPasses:
                 self._arrivals.notify_all()
         gathered = not shares
         while not call.result.done():
-            with self.host.using(job.engine.adapter_name):
+            with self._using(job.engine.adapter_name):
                 if call.result.done():
                     break
                 if gathered or self._all_active_wait(call):
