@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -136,3 +137,28 @@ def _run_side(
             + "\n".join(log_path.read_text().splitlines()[-30:])
         )
     return {**json.loads(result_path.read_text()), "load_at_start": load_at_start}
+
+
+def start_tinker_server(
+    model: str,
+    bf16: str,
+    root: str,
+    keys: Sequence[str],
+    extra: Sequence[str] = (),
+    entry: Sequence[str] = (),
+) -> tuple[subprocess.Popen, str]:
+    """`gym serve --tinker` on a free port with these API keys and checkpoints under `root`; the process and its
+    URL. `entry` replaces `-m hanzo_gym.cli` (a `-c` program that patches something, then runs the CLI)."""
+    command = [sys.executable, *(entry or ["-m", "hanzo_gym.cli"]), "serve", "--tinker", "--model", model]
+    command += ["--port", "0", "--bf16", bf16, *extra]
+    for key in keys:
+        command += ["--api-key", key]
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, env={**os.environ, "HANZO_GYM_RUNS": root}
+    )
+    for _ in range(5):
+        match = re.search(r"Tinker API on (\S+) ", server.stdout.readline())
+        if match:
+            return server, match.group(1)
+    server.terminate()
+    raise SystemExit("gym serve did not say where its Tinker API listens")

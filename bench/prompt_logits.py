@@ -24,7 +24,9 @@ def _engine(dtype: torch.dtype):
     from hanzo_gym.model.lora import attach_lora
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(str(real_model_gguf())), dtype=dtype)
-    return Engine(attach_lora(model, r=16, alpha=32, dropout=0.0, target_modules="all-linear", base_model_name="x"))
+    return Engine(
+        attach_lora(model, r=16, alpha=32, dropout=0.0, target_modules="all-linear", base_model_name="x")
+    )
 
 
 def _grpo_group(prompt_tokens: int = 38, completions: int = 8, completion_tokens: int = 20):
@@ -51,7 +53,9 @@ def _timed(engine, datums, scored_from, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=4)
     opts = parser.parse_args()
     datums, starts = _grpo_group()
@@ -64,8 +68,10 @@ def main() -> None:
             every.append(_timed(engine, datums, None, opts.repeats))
             skipping.append(_timed(engine, datums, starts, opts.repeats))
         all_s, from_s = statistics.median(every), statistics.median(skipping)
-        print(f"{dtype!s:15} every position {all_s:.3f} s   from the completions {from_s:.3f} s   "
-              f"({all_s / from_s:.2f}x)")
+        print(
+            f"{dtype!s:15} every position {all_s:.3f} s   from the completions {from_s:.3f} s   "
+            f"({all_s / from_s:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

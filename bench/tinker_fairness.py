@@ -14,30 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 
+from harness import start_tinker_server
+
 TRAINER_KEY, SAMPLER_KEY = "tml-bench-trainer", "tml-bench-sampler"
-
-
-def start_server(model: str, bf16: str, root: str, max_request_tokens: int) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "hanzo_gym.cli", "serve", "--tinker", "--model", model, "--port", "0"]
-    command += ["--bf16", bf16, "--max-request-tokens", str(max_request_tokens)]
-    command += ["--api-key", TRAINER_KEY, "--api-key", SAMPLER_KEY]
-    server = subprocess.Popen(
-        command, stdout=subprocess.PIPE, text=True, env={**os.environ, "HANZO_GYM_RUNS": root}
-    )
-    for _ in range(5):
-        match = re.search(r"Tinker API on (\S+) ", server.stdout.readline())
-        if match:
-            return server, match.group(1)
-    server.terminate()
-    raise SystemExit("gym serve did not say where its Tinker API listens")
 
 
 def forward_latencies(client, types, tokens: list[int], count: int) -> list[float]:
@@ -80,7 +64,8 @@ def main() -> None:
     tokens = [rng.randrange(3, vocab) for _ in range(opts.length)]
     budget = opts.num_samples * opts.max_tokens
     with tempfile.TemporaryDirectory() as root:
-        server, url = start_server(model, opts.bf16, root, budget)
+        keys, budget_args = [TRAINER_KEY, SAMPLER_KEY], ["--max-request-tokens", str(budget)]
+        server, url = start_tinker_server(model, opts.bf16, root, keys, budget_args)
         try:
             trainer = tinker.ServiceClient(base_url=url, api_key=TRAINER_KEY)
             client = trainer.create_lora_training_client(base_model=model, rank=32, seed=0).result()

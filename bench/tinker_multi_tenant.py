@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
-import sys
 import tempfile
 import threading
 import time
+
+from harness import start_tinker_server
 
 # The server of the turns side: one training call per run of passes, and each adapter's samples in lanes of
 # their own, taking turns, as before adapters shared passes.
@@ -31,24 +30,6 @@ ONE_CALL_AT_A_TIME = (
     "s.MAX_CALLS_PER_RUN = 1; b.SampleBatcher._shares_steps = lambda self, adapter: adapter is None; "
     "from hanzo_gym.cli import main; sys.exit(main())"
 )
-
-
-def start_server(
-    model: str, bf16: str, root: str, keys: list[str], shared: bool
-) -> tuple[subprocess.Popen, str]:
-    entry = ["-m", "hanzo_gym.cli"] if shared else ["-c", ONE_CALL_AT_A_TIME]
-    command = [sys.executable, *entry, "serve", "--tinker", "--model", model, "--port", "0", "--bf16", bf16]
-    for key in keys:
-        command += ["--api-key", key]
-    server = subprocess.Popen(
-        command, stdout=subprocess.PIPE, text=True, env={**os.environ, "HANZO_GYM_RUNS": root}
-    )
-    for _ in range(5):
-        match = re.search(r"Tinker API on (\S+) ", server.stdout.readline())
-        if match:
-            return server, match.group(1)
-    server.terminate()
-    raise SystemExit("gym serve did not say where its Tinker API listens")
 
 
 def tokens_per_second(model: str, opts: argparse.Namespace, shared: bool, vocab: int) -> tuple[float, float]:
@@ -76,7 +57,8 @@ def tokens_per_second(model: str, opts: argparse.Namespace, shared: bool, vocab:
     params = types.SamplingParams(max_tokens=opts.max_tokens, temperature=1.0, stop=[])
     prompt = types.ModelInput.from_ints(batches[0][0].model_input.to_ints()[:16])
     with tempfile.TemporaryDirectory() as root:
-        server, url = start_server(model, opts.bf16, root, keys, shared)
+        entry = [] if shared else ["-c", ONE_CALL_AT_A_TIME]
+        server, url = start_tinker_server(model, opts.bf16, root, keys, entry=entry)
         try:
             clients = [
                 tinker.ServiceClient(base_url=url, api_key=key)
