@@ -19,6 +19,8 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
+from hanzo_gym.errors import GymError
+
 # LoRA layers whose update is exactly B(A(x)) · scale over a linear base: what the hook computes
 _PLAIN_LORA_LAYERS = ("Linear", "Linear8bitLt", "Linear4bit")
 
@@ -31,11 +33,14 @@ def takes_token_adapters(model: torch.nn.Module, adapter: str) -> str | None:
     """None when adapter `adapter` can share a pass with others through `TokenAdapters`; else why not."""
     if not isinstance(model, PeftModel):
         return "the model has no LoRA adapters"
-    holders = [layer for layer in _lora_layers(model) if adapter in layer.lora_A]
+    output = model.get_output_embeddings()
+    holders = [layer for layer in _lora_layers(model) if adapter in layer.r]  # `r`: every kind of LoRA layer
     if not holders:
         return f"adapter `{adapter}` adapts no linear layer"
     for layer in holders:
-        if type(layer).__name__ not in _PLAIN_LORA_LAYERS:
+        if layer is output or layer.get_base_layer() is output:
+            return f"adapter `{adapter}` adapts the output layer"  # the sampler scores only the last position
+        if type(layer).__name__ not in _PLAIN_LORA_LAYERS or adapter not in layer.lora_A:
             return f"adapter `{adapter}` adapts a {type(layer).__name__} layer"
         if adapter in getattr(layer, "lora_variant", {}):
             return f"adapter `{adapter}` is a LoRA variant (DoRA or the like)"
@@ -71,9 +76,14 @@ class TokenAdapters:
 
     def route(self, runs: Sequence[tuple[str | None, int]]) -> None:
         """`runs`: (adapter name or None, number of positions), covering every position in order."""
-        unknown = {name for name, _ in runs if name is not None} - set(self.adapters)
-        if unknown and self.trains:
-            raise ValueError(f"route: adapters {sorted(unknown)} were not named at the start")
+        named = {name for name, _ in runs if name is not None}
+        if self.trains and named - set(self.adapters):
+            raise ValueError(
+                f"route: adapters {sorted(named - set(self.adapters))} were not named at the start"
+            )
+        unloaded = named - set(getattr(self.model, "peft_config", {}))
+        if unloaded:
+            raise GymError(f"no adapter named {min(unloaded)!r} is loaded")
         self.runs = list(runs)
         self._routed = list(dict.fromkeys(name for name, _ in runs if name is not None))
         self._masks: dict[tuple, torch.Tensor] = {}
@@ -82,9 +92,10 @@ class TokenAdapters:
         with contextlib.ExitStack() as stack:
             for layer in _lora_layers(self.model):
                 # PEFT's branch off (it would add the active adapter everywhere), layer by layer: the model's
-                # disable_adapter first surveys every module's status, a tenth of a small pass's time
+                # disable_adapter first surveys every module's status, a tenth of a small pass's time. On exit
+                # each layer and each weight's requires_grad are put back as they were.
+                stack.callback(_restore, layer, layer.disable_adapters, _grad_flags(layer))
                 layer.enable_adapters(False)
-                stack.callback(layer.enable_adapters, True)
                 if self.trains:
                     for name in self.adapters:
                         if name in layer.lora_A:
@@ -104,9 +115,15 @@ class TokenAdapters:
             return result
         x = args[0] if args else kwargs["x"]
         inputs = x.reshape(-1, x.shape[-1])
+        if len(inputs) != sum(length for _, length in self.runs):
+            raise GymError(
+                f"the pass has {len(inputs)} positions but its adapters were routed for "
+                f"{sum(length for _, length in self.runs)}"
+            )
+        autocast = torch.is_autocast_enabled(x.device.type)
         if self.dtype is not None:
             inputs = inputs.to(self.dtype)
-        elif not torch.is_autocast_enabled(x.device.type):  # as PEFT: the adapter's dtype; autocast casts
+        elif not autocast:  # as PEFT: the adapter's dtype; autocast casts
             inputs = inputs.to(layer.lora_A[present[0]].weight.dtype)
         # Every adapter's A stacked: one matmul down for all tokens, a mask that keeps each token's own adapter's
         # rows (times its scale), one matmul up. Some wasted work on the small rank dimension buys a few matmuls
@@ -116,7 +133,7 @@ class TokenAdapters:
         if self.dtype is not None:
             down, up = down.to(self.dtype), up.to(self.dtype)
         hidden = torch.nn.functional.linear(inputs, down) * self._mask(layer, present, inputs.device)
-        update = torch.nn.functional.linear(hidden if self.dtype is None else hidden.to(self.dtype), up)
+        update = torch.nn.functional.linear(hidden if autocast else hidden.to(up.dtype), up)
         return result + update.to(result.dtype).view_as(result)
 
     def _mask(self, layer: LoraLayer, present: list[str], device: torch.device) -> torch.Tensor:
@@ -136,3 +153,17 @@ class TokenAdapters:
                 row += length
             self._masks[key] = mask.to(device)
         return self._masks[key]
+
+
+def _grad_flags(layer: LoraLayer) -> dict[torch.nn.Parameter, bool]:
+    return {
+        p: p.requires_grad for name in layer.adapter_layer_names for p in getattr(layer, name).parameters()
+    }
+
+
+def _restore(layer: LoraLayer, disabled: bool, flags: dict[torch.nn.Parameter, bool]) -> None:
+    layer.enable_adapters(
+        not disabled
+    )  # PEFT's re-enable also makes the active adapter trainable: undone below
+    for parameter, flag in flags.items():
+        parameter.requires_grad_(flag)

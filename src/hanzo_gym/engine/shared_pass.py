@@ -42,7 +42,25 @@ def why_not_shared(engine: Engine) -> str | None:
 
 def score_together(jobs: list[AdapterJob], backward: bool) -> list[ForwardBackwardOutput]:
     """Each job's `Engine.forward_backward` (or with `backward=False` its `forward_loss`), all in shared passes;
-    the outputs in the jobs' order. The engines must share one model, each with its own adapter."""
+    the outputs in the jobs' order. The engines must share one model, each with its own adapter. A failure
+    leaves every adapter's gradients as they were (none of the jobs happened)."""
+    parameters = [p for job in jobs for p in job.engine.trainable] if backward else []
+    earlier = [p.grad for p in parameters]  # set aside: the passes accumulate into fresh gradients
+    for parameter in parameters:
+        parameter.grad = None
+    try:
+        outputs = _scored_together(jobs, backward)
+    except BaseException:
+        for parameter, grad in zip(parameters, earlier):
+            parameter.grad = grad
+        raise
+    for parameter, grad in zip(parameters, earlier):
+        if grad is not None:
+            parameter.grad = grad if parameter.grad is None else grad.add_(parameter.grad)
+    return outputs
+
+
+def _scored_together(jobs: list[AdapterJob], backward: bool) -> list[ForwardBackwardOutput]:
     driver = jobs[0].engine
     if len({id(job.engine.model) for job in jobs}) > 1:
         raise GymError("score_together: the engines do not share one model")

@@ -151,6 +151,14 @@ class ModelHost:
                 self.activate(name)
                 yield self.model
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[torch.nn.Module]:
+        """Hold the host as it is (whichever adapter is active), retired adapters gone: for passes that pick
+        each row's adapter themselves (engine/adapter_tokens.py)."""
+        with self.lock:
+            self._drop_retired()
+            yield self.model
+
     def _drop_retired(self) -> None:
         kept = []
         while self._retired:  # pop, not iterate: retire() may append from another thread meanwhile

@@ -108,6 +108,10 @@ class _Lane:
         self.batch = None
 
 
+def _requests(lane: _Lane) -> list[_Request]:
+    return [*lane.waiting, *lane.running.values()]
+
+
 def checked_prompt(
     host: ModelHost, prompt: Sequence[int], num_samples: int, params: SamplingParams
 ) -> list[int]:
@@ -147,7 +151,8 @@ class SampleBatcher:
         `cancel`, passed later to `cancel()`, stops the request's decoding at the next step."""
         tokens = checked_prompt(self.host, prompt, num_samples, params)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        lane = SHARED if self._shares_steps(adapter) else adapter
+        # a seeded request decodes alone, as its adapter's own (the same numbers whatever else runs)
+        lane = SHARED if params.seed is None and self._shares_steps(adapter) else adapter
         request = _Request(adapter, lane, tokens, num_samples, params, future, on_token, owner, cancel)
         with self._wakeup:
             self._queue.append(request)
@@ -158,7 +163,8 @@ class SampleBatcher:
         if adapter is None:
             return True
         if adapter not in self._shares:  # adapter names are never reused: what is known stays true
-            self._shares[adapter] = takes_token_adapters(self.host.model, adapter) is None
+            with self.host.lock:  # the look walks the model's modules, which adding an adapter changes
+                self._shares[adapter] = takes_token_adapters(self.host.model, adapter) is None
         return self._shares[adapter]
 
     def cancel(self, event: threading.Event) -> None:
@@ -214,22 +220,36 @@ class SampleBatcher:
         proportion to what it can still cost, until they are done or, with other lanes waiting, the turn has
         had its steps. Shared lanes whose rows are all of one adapter decode as that adapter's own (with its
         LoRA folded on CPU); rows of several decode through TokenAdapters."""
-        adapters = {
-            r.adapter for lane in self._lanes_of(key) for r in [*lane.waiting, *lane.running.values()]
-        }
+        adapters = {r.adapter for lane in self._lanes_of(key) for r in _requests(lane)}
         if key != SHARED or len(adapters) == 1:
             alone = key if key != SHARED else adapters.pop()
             with self.host.using(alone) as model, decoding(model):
                 self._decode_lanes(key, model, None, alone)
             return
-        # Any one adapter active (TokenAdapters turns every adapter's own branch off): `using(None)` would
-        # first survey every layer's status, on every turn.
-        with (
-            self.host.using(next(a for a in adapters if a is not None)) as model,
-            decoding(model, fold=False),
-            TokenAdapters(model, (), trains=False, dtype=lora_update_dtype(model)) as router,
-        ):
-            self._decode_lanes(key, model, router, None)
+        # The model as it is (TokenAdapters turns every adapter's own branch off): `using(None)` would first
+        # survey every layer's status, on every turn.
+        with self.host.held() as model:
+            self._fail_unloaded(self._lanes_of(key))
+            with (
+                decoding(model, fold=False),
+                TokenAdapters(model, (), trains=False, dtype=lora_update_dtype(model)) as router,
+            ):
+                self._decode_lanes(key, model, router, None)
+
+    def _fail_unloaded(self, lanes: list[_Lane]) -> None:
+        """Requests whose adapter was unloaded meanwhile fail; the lanes' other rows go on."""
+        loaded = set(self.host.adapters)
+        for lane in lanes:
+            gone = [r for r in lane.waiting if r.adapter is not None and r.adapter not in loaded]
+            lane.waiting[:] = [r for r in lane.waiting if r not in gone]
+            for job, request in list(lane.running.items()):
+                if request.adapter is not None and request.adapter not in loaded:
+                    lane.batch.drop(job)
+                    del lane.running[job]
+                    gone.append(request)
+            for request in gone:
+                if not request.future.done():
+                    request.future.set_exception(GymError(f"adapter `{request.adapter}` was unloaded"))
 
     def _decode_lanes(
         self, key: str | None, model: torch.nn.Module, router: TokenAdapters | None, alone: str | None
@@ -248,7 +268,9 @@ class SampleBatcher:
             if not running:
                 return
             if router is None and any(r.adapter != alone for lane in lanes for r in lane.waiting):
-                return
+                return  # the next turn decodes them together
+            if router is not None and len({r.adapter for lane in lanes for r in _requests(lane)}) == 1:
+                return  # one adapter left: the next turn decodes it alone (folded on CPU)
             costs = {lane: max(1, lane.cost()) for lane in running}
             dearest = max(costs.values())
             for lane in running:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from hanzo_gym.engine import ForwardBackwardOutput, check_datums, check_loss_inputs
+from hanzo_gym.engine import Engine, ForwardBackwardOutput, check_datums, check_loss_inputs
 from hanzo_gym.engine.losses import LOSS_FNS
 from hanzo_gym.engine.shared_pass import AdapterJob, score_together, why_not_shared
 from hanzo_gym.errors import GymError
@@ -46,6 +46,9 @@ class SharedPasses:
         self._waiting: list[_Call] = []
         self._arrivals = threading.Condition()  # guards _waiting and _last_call
         self._last_call: dict[str, float] = {}  # adapter → when it last called
+        self._sharing: dict[
+            str | None, bool
+        ] = {}  # adapter → whether it can share passes (names never recur)
 
     def run(self, job: AdapterJob, backward: bool) -> ForwardBackwardOutput:
         """`job.engine.forward_backward` (or with `backward=False` its `forward_loss`) of the job's datums,
@@ -55,27 +58,43 @@ class SharedPasses:
         check_datums(job.datums)  # a bad call fails alone, before it joins others
         check_loss_inputs(job.datums, job.loss_fn)
         call = _Call(job, backward)
-        shares = why_not_shared(job.engine) is None
+        shares = self._shares(job.engine)
         if shares:
             with self._arrivals:
                 self._waiting.append(call)
                 self._last_call[job.engine.adapter_name] = time.monotonic()
                 self._arrivals.notify_all()
         gathered = not shares
-        while not call.result.done():
-            with self._using(job.engine.adapter_name):
-                if call.result.done():
-                    break
-                if gathered or self._all_active_wait(call):
-                    self._run(self._take(call) if shares else [call])
-                    break
-            # The host is free and the others are not here yet: they are a reply away (their optim_step's),
-            # so give them a moment, the host free meanwhile for what they wait on.
-            gathered = True
-            with self._arrivals:
-                if not self._arrivals.wait_for(lambda: self._all_active_wait(call), timeout=GATHER_SECONDS):
-                    self._forget_absent(call)
+        try:
+            while not call.result.done():
+                with self._using(job.engine.adapter_name):
+                    if call.result.done():
+                        break
+                    if gathered or self._all_active_wait(call):
+                        self._run(self._take(call) if shares else [call])
+                        break
+                # The host is free and the others are not here yet: they are a reply away (their
+                # optim_step's), so give them a moment, the host free meanwhile for what they wait on.
+                gathered = True
+                with self._arrivals:
+                    if not self._arrivals.wait_for(
+                        lambda: self._all_active_wait(call), timeout=GATHER_SECONDS
+                    ):
+                        self._forget_absent(call)
+        finally:
+            with self._arrivals:  # a call that failed before its turn must not run later in someone's run
+                if call in self._waiting:
+                    self._waiting.remove(call)
         return call.result.result()
+
+    def _shares(self, engine: Engine) -> bool:
+        """Whether the engine's adapter can share passes; looked at once per adapter, holding the model (the
+        look walks its modules, which adding or deleting an adapter changes)."""
+        name = engine.adapter_name
+        if name not in self._sharing:
+            with self._using(name):
+                self._sharing[name] = why_not_shared(engine) is None
+        return self._sharing[name]
 
     def _all_active_wait(self, call: _Call) -> bool:
         """Whether every adapter that called lately has a call of this kind waiting (or this one has run)."""
@@ -105,7 +124,12 @@ class SharedPasses:
                 score = job.engine.forward_backward if calls[0].backward else job.engine.forward_loss
                 outputs = [score(job.datums, job.loss_fn, job.loss_fn_config)]
             else:
-                outputs = score_together([c.job for c in calls], calls[0].backward)
+                try:
+                    outputs = score_together([c.job for c in calls], calls[0].backward)
+                except Exception:  # noqa: BLE001 - nothing happened: each call alone, so only a bad one fails
+                    for c in calls:
+                        self._run([c])
+                    return
             for c, output in zip(calls, outputs, strict=True):
                 c.result.set_result(output)
         except BaseException as exc:
