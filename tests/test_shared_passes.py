@@ -370,3 +370,27 @@ def test_a_shared_run_that_fails_runs_its_calls_alone(tiny_dir, tmp_path, monkey
                 expected.metrics["loss:sum"]
             )
     assert attempts == [2]
+
+
+def test_a_request_of_an_adapter_unloaded_while_it_waits_fails_alone(tiny_dir):
+    from hanzo_gym.host.model_host import ModelHost
+    from hanzo_gym.host.sample_batcher import SampleBatcher
+    from hanzo_gym.records import SamplingParams
+
+    host = ModelHost(tiny_dir, dtype=torch.float32)
+    for name in ("kept", "unloaded"):
+        host.add_adapter(name, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"]))
+    batcher = SampleBatcher(host)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    try:
+        with host.lock:
+            kept = batcher.submit("kept", [3, 4, 5], 1, params)
+            gone = batcher.submit("unloaded", [3, 4, 5], 1, params)
+            host.retire("unloaded")
+        # (or, had `kept` finished first, its lone turn finds it gone)
+        with pytest.raises(Exception, match="`unloaded` was unloaded|no adapter named `unloaded`"):
+            gone.result(timeout=60)
+        assert len(kept.result(timeout=60)[0].tokens) == 4
+        assert host.adapters == ["kept"]
+    finally:
+        batcher.close()
